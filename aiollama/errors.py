@@ -1,0 +1,61 @@
+"""The exceptions aiollama raises, in one tree.
+
+Everything derives from :class:`AiollamaError`. Errors about the caller's input also derive from
+:class:`ValueError`, so code that already catches ``ValueError`` keeps working::
+
+    AiollamaError
+    ├── ClosedError             a handle (model, context, batch, sampler) was used after close()
+    ├── ModelLoadError          the model file is missing, not GGUF, truncated or unsupported
+    ├── InvalidRequestError     bad input, refused before it reaches llama.cpp (also ValueError)
+    │   ├── InvalidBatchError       batch too large, empty, position gaps
+    │   ├── InvalidSeqIdError       seq id outside [0, n_seq_max)
+    │   ├── InvalidTokenError       token id outside the vocabulary
+    │   ├── InvalidOutputError      sampling a batch row that produced no logits
+    │   └── GrammarError            a GBNF grammar that does not parse, or a token it rejects
+    └── DecodeError             llama.cpp failed to decode (compute or allocation failure)
+
+Input errors leave the native state untouched: the caller can fix the input and go on.
+A ``DecodeError`` means the context may hold partial results of the failed call.
+"""
+
+from __future__ import annotations
+
+
+class AiollamaError(Exception):
+    """Base class of every error aiollama raises on purpose."""
+
+
+class ClosedError(AiollamaError, RuntimeError):
+    """A handle was used after it was closed."""
+
+
+class ModelLoadError(AiollamaError, ValueError):
+    """A model file could not be loaded: not GGUF, truncated, or not supported by llama.cpp."""
+
+
+class InvalidRequestError(AiollamaError, ValueError):
+    """Input that llama.cpp would reject or abort on, refused beforehand."""
+
+
+class InvalidBatchError(InvalidRequestError):
+    """A batch that llama.cpp cannot take: empty, larger than n_batch, or with a position gap."""
+
+
+class InvalidSeqIdError(InvalidRequestError):
+    """A sequence id outside ``[0, n_seq_max)``."""
+
+
+class InvalidTokenError(InvalidRequestError):
+    """A token id outside the model's vocabulary."""
+
+
+class InvalidOutputError(InvalidRequestError):
+    """A batch index that produced no logits in the last decode."""
+
+
+class GrammarError(InvalidRequestError):
+    """A GBNF grammar that does not parse, or a token the grammar cannot accept."""
+
+
+class DecodeError(AiollamaError):
+    """llama_decode failed with a fatal status; the context may hold partial results."""

@@ -1,0 +1,140 @@
+"""Batch: the rows of one llama_decode call.
+
+Each row is a token at a position in one or more sequences, and may ask for logits. The batch checks
+what it can know on its own (capacity, seq ids per row, positions that continue within the batch);
+:meth:`aiollama.native.Context.decode` checks the rest against the context (n_batch, vocabulary,
+n_seq_max, positions that continue the cached sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from aiollama.errors import InvalidBatchError, InvalidRequestError, InvalidSeqIdError, InvalidTokenError
+from aiollama.native.binding import lib
+from aiollama.native.handle import Handle
+
+MAX_SEQ = 256  # LLAMA_MAX_SEQ at the pinned tag
+
+
+def _check_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+class Batch(Handle):
+    """A reusable llama_batch of up to ``capacity`` rows, each in up to ``n_seq_max`` sequences."""
+
+    _kind = "batch"
+
+    def __init__(self, capacity: int, n_seq_max: int = 1) -> None:
+        _check_int("capacity", capacity)
+        _check_int("n_seq_max", n_seq_max)
+        if capacity < 1:
+            raise InvalidRequestError(f"batch capacity must be at least 1, got {capacity}")
+        if not 1 <= n_seq_max <= MAX_SEQ:
+            raise InvalidRequestError(f"n_seq_max must be in [1, {MAX_SEQ}], got {n_seq_max}")
+        self.capacity = capacity
+        self.n_seq_max = n_seq_max
+        self._ptr = lib.llama_batch_init(capacity, 0, n_seq_max)
+        self.clear()
+
+    def _free(self, ptr: Any) -> None:
+        lib.llama_batch_free(ptr)
+
+    def clear(self) -> None:
+        """Drop every row; the memory is kept for the next step."""
+        self.n_tokens = 0
+        self.outputs: list[int] = []
+        self.first_pos: dict[int, int] = {}  # seq id -> its first position in this batch
+        self._next_pos: dict[int, int] = {}
+        self.max_token = -1
+        self.max_seq_id = -1
+        self.shares_rows = False  # some row belongs to several sequences
+
+    def _place(self, count: int, pos: int, seq_ids: Sequence[int]) -> None:
+        """Check that ``count`` rows at ``pos..`` for ``seq_ids`` fit, and record the positions."""
+        if self.n_tokens + count > self.capacity:
+            raise InvalidBatchError(
+                f"batch is full: {self.n_tokens} + {count} rows exceed its capacity of {self.capacity}")
+        if pos < 0:
+            raise InvalidBatchError(f"position must be >= 0, got {pos}")
+        if not seq_ids:
+            raise InvalidSeqIdError("a row needs at least one seq id")
+        if len(seq_ids) > self.n_seq_max:
+            raise InvalidSeqIdError(
+                f"a row may belong to at most {self.n_seq_max} sequences in this batch, got {len(seq_ids)}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidSeqIdError(f"repeated seq id in one row: {list(seq_ids)}")
+        for s in seq_ids:
+            _check_int("seq_id", s)
+            if s < 0:
+                raise InvalidSeqIdError(f"seq id must be >= 0, got {s}")
+            expected = self._next_pos.get(s)
+            if expected is not None and pos != expected:
+                raise InvalidBatchError(
+                    f"position gap in sequence {s}: the batch holds it up to {expected - 1}, "
+                    f"the next row is at {pos}")
+        for s in seq_ids:
+            self.first_pos.setdefault(s, pos)
+            self._next_pos[s] = pos + count
+        self.max_seq_id = max(self.max_seq_id, *seq_ids)
+        if len(seq_ids) > 1:
+            self.shares_rows = True
+
+    def add(self, token: int, pos: int, seq_ids: int | Sequence[int], output: bool = False) -> int:
+        """Append one row and return its index in the batch."""
+        _check_int("token", token)
+        _check_int("pos", pos)
+        if token < 0:
+            raise InvalidTokenError(f"token id must be >= 0, got {token}")
+        ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
+        self._place(1, pos, ids)
+        c = self._get()
+        i = self.n_tokens
+        c.token[i] = token
+        c.pos[i] = pos
+        c.n_seq_id[i] = len(ids)
+        row = c.seq_id[i]
+        for j, s in enumerate(ids):
+            row[j] = s
+        c.logits[i] = 1 if output else 0
+        if output:
+            self.outputs.append(i)
+        self.max_token = max(self.max_token, token)
+        self.n_tokens = i + 1
+        return i
+
+    def add_tokens(self, tokens: Sequence[int], pos: int, seq_id: int, *, output_last: bool = False) -> int:
+        """Append consecutive tokens of one sequence from ``pos`` on; return the index of the last row."""
+        _check_int("pos", pos)
+        ids = list(tokens)
+        if not ids:
+            raise InvalidBatchError("add_tokens needs at least one token")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise InvalidTokenError("token ids must be ints")
+        if min(ids) < 0:
+            raise InvalidTokenError(f"token id must be >= 0, got {min(ids)}")
+        k = len(ids)
+        self._place(k, pos, [seq_id])
+        c = self._get()
+        n = self.n_tokens
+        c.token[n:n + k] = ids
+        c.pos[n:n + k] = list(range(pos, pos + k))
+        c.n_seq_id[n:n + k] = [1] * k
+        c.logits[n:n + k] = [0] * k
+        seq_rows = c.seq_id
+        for i in range(n, n + k):
+            seq_rows[i][0] = seq_id
+        last = n + k - 1
+        if output_last:
+            c.logits[last] = 1
+            self.outputs.append(last)
+        self.max_token = max(self.max_token, max(ids))
+        self.n_tokens = n + k
+        return last
+
+    def __len__(self) -> int:
+        return self.n_tokens

@@ -1,0 +1,316 @@
+"""Context: one llama_context, its KV memory, and decoding.
+
+A context belongs to one thread at a time: llama.cpp does no locking inside it. Only
+:meth:`Context.request_abort` and :meth:`Context.clear_abort` may be called from other threads.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from aiollama.errors import (
+    AiollamaError,
+    InvalidBatchError,
+    InvalidOutputError,
+    InvalidRequestError,
+    InvalidSeqIdError,
+    InvalidTokenError,
+)
+from aiollama.native.batch import MAX_SEQ, Batch, _check_int
+from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
+from aiollama.native.handle import Handle
+from aiollama.native.model import Model, Vocab
+from aiollama.native.threads import available_cpus
+
+
+class DecodeStatus(enum.IntEnum):
+    """What ``llama_decode`` returned.
+
+    ``NO_KV_SLOT`` and ``INVALID_BATCH`` leave the KV memory as it was. After ``ABORTED`` and the
+    failures below it, the ubatches computed before the failure stay in memory: read
+    ``seq_pos_max`` to resync.
+    """
+
+    OK = 0
+    NO_KV_SLOT = 1
+    ABORTED = 2
+    INVALID_BATCH = -1
+    ALLOC_FAILED = -2
+    COMPUTE_FAILED = -3
+    FATAL = -1000  # any other negative code
+
+    @classmethod
+    def _missing_(cls, value: object) -> DecodeStatus:
+        return cls.FATAL
+
+    @property
+    def is_fatal(self) -> bool:
+        """True for failures after which the context may hold partial results."""
+        return self.value < -1 or self is DecodeStatus.FATAL
+
+
+@dataclass(frozen=True)
+class Perf:
+    """llama.cpp's own counters for a context (``llama_perf_context``)."""
+
+    t_load_ms: float
+    t_prompt_eval_ms: float
+    t_eval_ms: float
+    n_prompt_eval: int
+    n_eval: int
+    n_graph_reused: int
+
+
+def _positive(name: str, value: object, *, allow_zero: bool = False) -> int:
+    _check_int(name, value)
+    assert isinstance(value, int)
+    if value < 0 or (value == 0 and not allow_zero):
+        raise InvalidRequestError(f"{name} must be {'>= 0' if allow_zero else '>= 1'}, got {value}")
+    return value
+
+
+class Context(Handle):
+    """A llama_context over ``model``, which it keeps alive until closed.
+
+    Defaults suit a batching engine: a unified KV cache (so ``seq_cp`` shares cells and a fork costs
+    nothing), and thread counts from the CPUs this process may actually use.
+
+    Raises:
+        InvalidRequestError: a parameter out of range (for example ``n_seq_max`` > 256).
+        ClosedError: the model is closed.
+        AiollamaError: llama.cpp could not create the context (for example, out of memory).
+    """
+
+    _kind = "context"
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        n_seq_max: int = 1,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
+        kv_unified: bool = True,
+        flash_attn: bool | None = None,
+    ) -> None:
+        _positive("n_ctx", n_ctx, allow_zero=True)
+        _positive("n_batch", n_batch)
+        _positive("n_seq_max", n_seq_max)
+        if n_seq_max > MAX_SEQ:
+            raise InvalidRequestError(f"n_seq_max must be at most {MAX_SEQ} (LLAMA_MAX_SEQ), got {n_seq_max}")
+        if n_ubatch is not None:
+            _positive("n_ubatch", n_ubatch)
+        threads = available_cpus() if n_threads is None else _positive("n_threads", n_threads)
+        threads_batch = threads if n_threads_batch is None else _positive("n_threads_batch", n_threads_batch)
+
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_ubatch if n_ubatch is not None else n_batch
+        params.n_seq_max = n_seq_max
+        params.n_threads = threads
+        params.n_threads_batch = threads_batch
+        params.kv_unified = kv_unified
+        params.no_perf = False
+        if flash_attn is not None:
+            params.flash_attn_type = (
+                lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        # The abort flag is read by C after every graph node; Python only stores to it.
+        self._abort_flag = ffi.new("int *", 0)
+        params.abort_callback = ffi.addressof(lib, "aiollama_abort_cb")
+        params.abort_callback_data = self._abort_flag
+
+        model_ptr = model._acquire()
+        clear_recent_errors()
+        ptr = lib.llama_init_from_model(model_ptr, params)
+        if ptr == ffi.NULL:
+            model._release()
+            why = "; ".join(recent_errors()) or "no reason given"
+            raise AiollamaError(f"llama.cpp could not create a context: {why}")
+        self._ptr = ptr
+        self.model = model
+        self.vocab: Vocab = model.vocab
+        self._memory = lib.llama_get_memory(ptr)
+        self.n_ctx: int = lib.llama_n_ctx(ptr)
+        self.n_ctx_seq: int = lib.llama_n_ctx_seq(ptr)
+        self.n_batch: int = lib.llama_n_batch(ptr)
+        self.n_ubatch: int = lib.llama_n_ubatch(ptr)
+        self.n_seq_max: int = lib.llama_n_seq_max(ptr)
+        self.kv_unified = kv_unified
+        self.n_vocab = self.vocab.n_tokens
+        self._outputs: frozenset[int] = frozenset()
+
+    def _free(self, ptr: Any) -> None:
+        self._outputs = frozenset()
+        lib.llama_free(ptr)
+        self.model._release()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._ptr is None else f"n_ctx={self.n_ctx} n_seq_max={self.n_seq_max}"
+        return f"<Context {state}>"
+
+    # threads and abort
+
+    @property
+    def n_threads(self) -> tuple[int, int]:
+        """(threads for single-token ubatches, threads for larger ubatches)."""
+        ptr = self._get()
+        return lib.llama_n_threads(ptr), lib.llama_n_threads_batch(ptr)
+
+    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        _positive("n_threads", n_threads)
+        batch = n_threads if n_threads_batch is None else _positive("n_threads_batch", n_threads_batch)
+        lib.llama_set_n_threads(self._get(), n_threads, batch)
+
+    def request_abort(self) -> None:
+        """Make the running (or next) decode stop at the next graph node, returning ABORTED.
+
+        Safe from any thread. The flag stays set until :meth:`clear_abort`.
+        """
+        lib.aiollama_flag_store(self._abort_flag, 1)
+
+    def clear_abort(self) -> None:
+        lib.aiollama_flag_store(self._abort_flag, 0)
+
+    @property
+    def abort_requested(self) -> bool:
+        return bool(lib.aiollama_flag_load(self._abort_flag))
+
+    # decoding
+
+    def _check_seq(self, seq_id: object, *, allow_all: bool = False) -> int:
+        _check_int("seq_id", seq_id)
+        assert isinstance(seq_id, int)
+        if allow_all and seq_id == -1:
+            return seq_id
+        if not 0 <= seq_id < self.n_seq_max:
+            raise InvalidSeqIdError(f"seq id {seq_id} is outside [0, {self.n_seq_max}) (n_seq_max)")
+        return seq_id
+
+    def _check_batch(self, batch: Batch) -> None:
+        n = batch.n_tokens
+        if n == 0:
+            raise InvalidBatchError("cannot decode an empty batch")
+        if n > self.n_batch:
+            raise InvalidBatchError(f"batch of {n} rows exceeds n_batch={self.n_batch}; split it")
+        if batch.max_token >= self.n_vocab:
+            raise InvalidTokenError(f"token id {batch.max_token} is outside the vocabulary [0, {self.n_vocab})")
+        if batch.max_seq_id >= self.n_seq_max:
+            raise InvalidSeqIdError(f"seq id {batch.max_seq_id} is outside [0, {self.n_seq_max}) (n_seq_max)")
+        if batch.shares_rows and not self.kv_unified:
+            raise InvalidBatchError("rows shared by several sequences need a context with kv_unified=True")
+        for seq_id, first in batch.first_pos.items():
+            pos_max = lib.llama_memory_seq_pos_max(self._memory, seq_id)
+            if pos_max >= 0 and first != pos_max + 1:
+                raise InvalidBatchError(
+                    f"position gap in sequence {seq_id}: the cache holds it up to position {pos_max}, "
+                    f"the batch starts it at {first} (expected {pos_max + 1})")
+
+    def decode(self, batch: Batch) -> DecodeStatus:
+        """Run one ``llama_decode`` over ``batch``. The GIL is released while it runs.
+
+        Raises InvalidBatchError, InvalidTokenError or InvalidSeqIdError for a batch llama.cpp would
+        abort on or reject; nothing is decoded then.
+        """
+        ptr = self._get()
+        c = batch._get()
+        self._check_batch(batch)
+        self._outputs = frozenset()
+        c.n_tokens = batch.n_tokens
+        status = DecodeStatus(lib.llama_decode(ptr, c))
+        if status is DecodeStatus.OK:
+            self._outputs = frozenset(batch.outputs)
+        return status
+
+    @property
+    def outputs(self) -> frozenset[int]:
+        """Batch indices that have logits from the last successful decode."""
+        return self._outputs
+
+    def check_output(self, idx: int) -> int:
+        """Return ``idx`` if that row of the last decode has logits, else raise InvalidOutputError."""
+        self._get()
+        _check_int("idx", idx)
+        if idx not in self._outputs:
+            rows = sorted(self._outputs)
+            shown = rows if len(rows) <= 16 else rows[:16] + ["..."]
+            raise InvalidOutputError(f"batch row {idx} has no logits from the last decode (rows with logits: {shown})")
+        return idx
+
+    def logits(self, idx: int) -> list[float]:
+        """A copy of the logits of batch row ``idx`` of the last decode."""
+        ptr = self._get()
+        self.check_output(idx)
+        row = lib.llama_get_logits_ith(ptr, idx)
+        return list(ffi.unpack(row, self.n_vocab))
+
+    # memory (KV cache)
+
+    def memory_clear(self, data: bool = False) -> None:
+        self._get()
+        lib.llama_memory_clear(self._memory, data)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of ``seq_id`` (-1: every sequence; negative bounds: open)."""
+        self._get()
+        return bool(lib.llama_memory_seq_rm(self._memory, self._check_seq(seq_id, allow_all=True), p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``dst`` hold ``src``'s positions [p0, p1) too.
+
+        In a unified KV cache this shares cells and copies nothing. In a split cache it copies a whole
+        stream, and a partial range would abort llama.cpp, so it raises InvalidRequestError.
+        """
+        self._get()
+        self._check_seq(src)
+        self._check_seq(dst)
+        if not self.kv_unified and src != dst:
+            size = self.n_ctx_seq
+            partial = (p0 > 0 and p0 + 1 < size) or (p1 > 0 and p1 + 1 < size)
+            if partial:
+                raise InvalidRequestError(
+                    f"seq_cp of the range [{p0}, {p1}) needs a unified KV cache; a split cache "
+                    "(kv_unified=False) can only copy whole sequences (p0=p1=-1)")
+        lib.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        self._get()
+        lib.llama_memory_seq_keep(self._memory, self._check_seq(seq_id))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        self._get()
+        return int(lib.llama_memory_seq_pos_min(self._memory, self._check_seq(seq_id)))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """The last cached position of ``seq_id``, or -1 if it holds nothing."""
+        self._get()
+        return int(lib.llama_memory_seq_pos_max(self._memory, self._check_seq(seq_id)))
+
+    # per-sequence state
+
+    def seq_state(self, seq_id: int) -> bytes:
+        """The KV state of one sequence, to restore later with :meth:`set_seq_state`."""
+        ptr = self._get()
+        self._check_seq(seq_id)
+        size = lib.llama_state_seq_get_size(ptr, seq_id)
+        buf = ffi.new("uint8_t[]", size)
+        n = lib.llama_state_seq_get_data(ptr, buf, size, seq_id)
+        return bytes(ffi.buffer(buf, n))
+
+    def set_seq_state(self, seq_id: int, state: bytes) -> None:
+        """Replace ``seq_id``'s cache with a saved state. Raises AiollamaError if it does not fit."""
+        ptr = self._get()
+        self._check_seq(seq_id)
+        if not state:
+            raise InvalidRequestError("empty sequence state")
+        if lib.llama_state_seq_set_data(ptr, state, len(state), seq_id) == 0:
+            raise AiollamaError(f"could not restore the state of sequence {seq_id} (no room, or another layout)")
+
+    def perf(self) -> Perf:
+        d = lib.llama_perf_context(self._get())
+        return Perf(d.t_load_ms, d.t_p_eval_ms, d.t_eval_ms, d.n_p_eval, d.n_eval, d.n_reused)

@@ -1,0 +1,276 @@
+"""Model and Vocab: the loaded weights and the tokenizer that comes with them."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from aiollama.errors import ClosedError, InvalidRequestError, InvalidTokenError, ModelLoadError
+from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
+from aiollama.native.handle import Handle
+
+GGUF_MAGIC = b"GGUF"
+# magic, version, tensor count and metadata count: a file shorter than this cannot be a GGUF model
+GGUF_HEADER_SIZE = 4 + 4 + 8 + 8
+
+
+def _check_gguf(path: str) -> None:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model file not found: {path}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"model path is a directory, not a GGUF file: {path}")
+    with open(path, "rb") as f:
+        head = f.read(GGUF_HEADER_SIZE)
+    if head[:4] != GGUF_MAGIC:
+        raise ModelLoadError(f"not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC!r}): {path}")
+    if len(head) < GGUF_HEADER_SIZE:
+        raise ModelLoadError(f"GGUF file truncated inside its header ({len(head)} bytes): {path}")
+
+
+class Model(Handle):
+    """Weights loaded from a GGUF file.
+
+    ``close()`` ends the caller's use of the model. Contexts and samplers created from it keep the
+    native model alive until they are closed too, so handles can be closed in any order.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError: no file at ``path``.
+        ModelLoadError: not GGUF, truncated, or refused by llama.cpp (the message carries its log).
+    """
+
+    _kind = "model"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_gpu_layers: int = 0,
+        vocab_only: bool = False,
+        use_mmap: bool = True,
+    ) -> None:
+        self.path = os.fspath(path)
+        if not isinstance(n_gpu_layers, int) or isinstance(n_gpu_layers, bool):
+            raise InvalidRequestError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
+        _check_gguf(self.path)
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
+        params.load_mode = lib.LLAMA_LOAD_MODE_AUTO if use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        clear_recent_errors()
+        ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
+        if ptr == ffi.NULL:
+            why = "; ".join(recent_errors()) or "no reason given"
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: {why}")
+        self._native = ptr
+        self._ptr = ptr
+        self._users = 0
+        self._lock = threading.Lock()
+        self.vocab = Vocab(self)
+        self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
+        self.n_embd: int = lib.llama_model_n_embd(ptr)
+        self.n_layer: int = lib.llama_model_n_layer(ptr)
+        self.is_recurrent: bool = bool(lib.llama_model_is_recurrent(ptr) or lib.llama_model_is_hybrid(ptr))
+
+    # Lifetime: _ptr is the caller's view (None once closed); _native is freed only when the
+    # caller has closed the model and no dependent handle holds it any more.
+    def close(self) -> None:
+        with self._lock:
+            self._ptr = None
+            self._free_if_unused()
+
+    def _free_if_unused(self) -> None:
+        if self._ptr is None and self._users == 0 and self._native is not None:
+            native, self._native = self._native, None
+            lib.llama_model_free(native)
+
+    def _acquire(self) -> Any:
+        """Keep the native model alive for a dependent handle; the model must still be open."""
+        with self._lock:
+            ptr = self._get()
+            self._users += 1
+            return ptr
+
+    def _acquire_native(self) -> Any:
+        """Like _acquire, but only needs the native model alive (held by some dependent)."""
+        with self._lock:
+            native = self._alive()
+            self._users += 1
+            return native
+
+    def _release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            self._free_if_unused()
+
+    def _alive(self) -> Any:
+        """The native pointer while anyone still holds the model, for use by dependents."""
+        native = self._native
+        if native is None:
+            raise ClosedError("the model is closed")
+        return native
+
+    def description(self) -> str:
+        buf = ffi.new("char[256]")
+        lib.llama_model_desc(self._get(), buf, 256)
+        return str(ffi.string(buf).decode("utf-8", "replace"))
+
+    def metadata(self, key: str) -> str | None:
+        """The GGUF metadata value for ``key`` as a string, or None if absent."""
+        ptr = self._get()
+        k = key.encode()
+        n = lib.llama_model_meta_val_str(ptr, k, ffi.NULL, 0)
+        if n < 0:
+            return None
+        buf = ffi.new("char[]", n + 1)
+        lib.llama_model_meta_val_str(ptr, k, buf, n + 1)
+        return str(ffi.string(buf).decode("utf-8", "replace"))
+
+    def chat_template(self, name: str | None = None) -> str | None:
+        """The chat template stored in the GGUF file (``tokenizer.chat_template``), or None."""
+        raw = lib.llama_model_chat_template(self._get(), name.encode() if name else ffi.NULL)
+        return None if raw == ffi.NULL else str(ffi.string(raw).decode("utf-8", "replace"))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._ptr is None else "open"
+        return f"<Model {os.path.basename(self.path)!r} {state}>"
+
+
+class Vocab:
+    """The model's tokenizer. Usable while the native model is alive (see :class:`Model`).
+
+    Tokenizer calls are thread-safe in llama.cpp, so any thread may use a Vocab.
+    """
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+        ptr = lib.llama_model_get_vocab(model._alive())
+        self.n_tokens: int = lib.llama_vocab_n_tokens(ptr)
+        self.bos: int = lib.llama_vocab_bos(ptr)
+        self.eos: int = lib.llama_vocab_eos(ptr)
+        self.eot: int = lib.llama_vocab_eot(ptr)
+        self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(ptr))
+        self.add_eos: bool = bool(lib.llama_vocab_get_add_eos(ptr))
+
+    def _get(self) -> Any:
+        return lib.llama_model_get_vocab(self._model._alive())
+
+    def check_token(self, token: int) -> int:
+        """Return ``token`` if it is a valid id of this vocabulary, else raise InvalidTokenError."""
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.n_tokens:
+            raise InvalidTokenError(f"token id {token!r} is outside the vocabulary [0, {self.n_tokens})")
+        return token
+
+    def check_tokens(self, tokens: Iterable[int]) -> list[int]:
+        out = list(tokens)
+        if out and (min(out) < 0 or max(out) >= self.n_tokens):
+            bad = next(t for t in out if not 0 <= t < self.n_tokens)
+            raise InvalidTokenError(f"token id {bad} is outside the vocabulary [0, {self.n_tokens})")
+        return out
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, EOT and the model's other EOG ids)."""
+        return bool(lib.llama_vocab_is_eog(self._get(), self.check_token(token)))
+
+    def is_control(self, token: int) -> bool:
+        return bool(lib.llama_vocab_is_control(self._get(), self.check_token(token)))
+
+    def token_text(self, token: int) -> str:
+        """The token's text as stored in the vocabulary (not detokenized)."""
+        raw = lib.llama_vocab_get_text(self._get(), self.check_token(token))
+        return str(ffi.string(raw).decode("utf-8", "replace"))
+
+    def tokenize(self, text: str | bytes, *, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        """Token ids for ``text``.
+
+        ``add_special`` adds BOS/EOS as the model's metadata asks; ``parse_special`` turns the text of
+        special tokens (``<|im_start|>``) into those tokens instead of plain text.
+        """
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        ptr = self._get()
+        capacity = len(data) + 8
+        buf = ffi.new("llama_token[]", capacity)
+        n = lib.llama_tokenize(ptr, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            if n == -(2**31):
+                raise InvalidRequestError("text too long to tokenize")
+            capacity = -n
+            buf = ffi.new("llama_token[]", capacity)
+            n = lib.llama_tokenize(ptr, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[0:n])
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of one token. They may end inside a UTF-8 character."""
+        ptr = self._get()
+        self.check_token(token)
+        buf = ffi.new("char[64]")
+        n = lib.llama_token_to_piece(ptr, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = lib.llama_token_to_piece(ptr, token, buf, -n, 0, special)
+        return bytes(ffi.buffer(buf, n))
+
+    def detokenize_bytes(
+        self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
+    ) -> bytes:
+        ids = self.check_tokens(tokens)
+        if not ids:
+            return b""
+        ptr = self._get()
+        arr = ffi.new("llama_token[]", ids)
+        capacity = max(64, 8 * len(ids))
+        buf = ffi.new("char[]", capacity)
+        n = lib.llama_detokenize(ptr, arr, len(ids), buf, capacity, remove_special, unparse_special)
+        if n < 0:
+            capacity = -n
+            buf = ffi.new("char[]", capacity)
+            n = lib.llama_detokenize(ptr, arr, len(ids), buf, capacity, remove_special, unparse_special)
+        return bytes(ffi.buffer(buf, n))
+
+    def detokenize(
+        self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
+    ) -> str:
+        """Text for ``tokens``; bytes that are not valid UTF-8 become U+FFFD."""
+        raw = self.detokenize_bytes(tokens, remove_special=remove_special, unparse_special=unparse_special)
+        return raw.decode("utf-8", "replace")
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        template: str | None = None,
+        add_assistant: bool = True,
+    ) -> str:
+        """Render ``messages`` ({"role", "content"} mappings) with llama.cpp's built-in templates.
+
+        ``template`` defaults to the model's own. llama.cpp recognizes templates by pattern, without
+        Jinja; an unrecognized template raises InvalidRequestError.
+        """
+        tmpl = template if template is not None else self._model.chat_template()
+        if tmpl is None:
+            raise InvalidRequestError("the model has no chat template; pass template=")
+        keep: list[Any] = []
+        chat = ffi.new("llama_chat_message[]", len(messages))
+        for i, message in enumerate(messages):
+            try:
+                role, content = message["role"], message["content"]
+            except (KeyError, TypeError):
+                raise InvalidRequestError(f"message {i} needs 'role' and 'content'") from None
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise InvalidRequestError(f"message {i}: role and content must be str")
+            keep.append(ffi.new("char[]", role.encode()))
+            keep.append(ffi.new("char[]", content.encode()))
+            chat[i].role = keep[-2]
+            chat[i].content = keep[-1]
+        tmpl_c = tmpl.encode()
+        capacity = 256 + 2 * sum(len(m["content"]) + len(m["role"]) for m in messages)
+        buf = ffi.new("char[]", capacity)
+        n = lib.llama_chat_apply_template(tmpl_c, chat, len(messages), add_assistant, buf, capacity)
+        if n < 0:
+            raise InvalidRequestError("llama.cpp does not recognize this chat template")
+        if n > capacity:
+            capacity = n
+            buf = ffi.new("char[]", capacity)
+            n = lib.llama_chat_apply_template(tmpl_c, chat, len(messages), add_assistant, buf, capacity)
+        return bytes(ffi.buffer(buf, n)).decode("utf-8", "replace")

@@ -1,0 +1,176 @@
+"""SamplerChain: one sequence's token choice (temperature, top-k/p, penalties, grammar...).
+
+A chain holds per-sequence state (RNG, penalty history, grammar stack), so every sequence needs its
+own; :meth:`SamplerChain.clone` copies one, state included, for a fork.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from aiollama.errors import GrammarError, InvalidRequestError
+from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
+from aiollama.native.context import Context
+from aiollama.native.handle import Handle
+from aiollama.native.model import Vocab
+
+DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
+
+
+def _finite(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _unit(name: str, value: object) -> float:
+    v = _finite(name, value)
+    if not 0.0 <= v <= 1.0:
+        raise InvalidRequestError(f"{name} must be in [0, 1], got {value!r}")
+    return v
+
+
+class SamplerChain(Handle):
+    """A llama.cpp sampler chain bound to a vocabulary; the model stays alive until it is closed.
+
+    Build it with the ``add_*`` methods, in the order they should apply, and end with a selecting
+    sampler (``add_greedy`` or ``add_dist``).
+    """
+
+    _kind = "sampler chain"
+
+    def __init__(self, vocab: Vocab, *, no_perf: bool = True) -> None:
+        self.vocab = vocab
+        vocab._model._acquire_native()
+        params = lib.llama_sampler_chain_default_params()
+        params.no_perf = no_perf
+        self._ptr = lib.llama_sampler_chain_init(params)
+        self._grammar: Any = None  # the grammar sampler inside the chain, if any
+        self.names: list[str] = []
+
+    def _free(self, ptr: Any) -> None:
+        self._grammar = None
+        lib.llama_sampler_free(ptr)
+        self.vocab._model._release()
+
+    def __repr__(self) -> str:
+        return f"<SamplerChain {'closed' if self._ptr is None else self.names}>"
+
+    def _add(self, name: str, smpl: Any) -> SamplerChain:
+        chain = self._get()
+        if smpl == ffi.NULL:
+            raise InvalidRequestError(f"llama.cpp refused the {name} sampler")
+        lib.llama_sampler_chain_add(chain, smpl)  # the chain owns it from here on
+        self.names.append(name)
+        return self
+
+    def add_greedy(self) -> SamplerChain:
+        return self._add("greedy", lib.llama_sampler_init_greedy())
+
+    def add_dist(self, seed: int = DEFAULT_SEED) -> SamplerChain:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 0xFFFFFFFF:
+            raise InvalidRequestError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        return self._add("dist", lib.llama_sampler_init_dist(seed))
+
+    def add_temp(self, t: float) -> SamplerChain:
+        return self._add("temp", lib.llama_sampler_init_temp(_finite("temperature", t)))
+
+    def add_top_k(self, k: int) -> SamplerChain:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise InvalidRequestError(f"top_k must be an int, got {k!r}")
+        return self._add("top_k", lib.llama_sampler_init_top_k(k))
+
+    def add_top_p(self, p: float, min_keep: int = 1) -> SamplerChain:
+        return self._add("top_p", lib.llama_sampler_init_top_p(_unit("top_p", p), min_keep))
+
+    def add_min_p(self, p: float, min_keep: int = 1) -> SamplerChain:
+        return self._add("min_p", lib.llama_sampler_init_min_p(_unit("min_p", p), min_keep))
+
+    def add_typical(self, p: float, min_keep: int = 1) -> SamplerChain:
+        return self._add("typical", lib.llama_sampler_init_typical(_unit("typical_p", p), min_keep))
+
+    def add_penalties(
+        self, last_n: int = 64, repeat: float = 1.0, frequency: float = 0.0, presence: float = 0.0
+    ) -> SamplerChain:
+        if isinstance(last_n, bool) or not isinstance(last_n, int) or last_n < -1:
+            raise InvalidRequestError(f"penalty_last_n must be an int >= -1, got {last_n!r}")
+        if _finite("repeat_penalty", repeat) <= 0:
+            raise InvalidRequestError(f"repeat_penalty must be > 0, got {repeat!r}")
+        smpl = lib.llama_sampler_init_penalties(
+            self.vocab.n_tokens, last_n, repeat, _finite("frequency_penalty", frequency),
+            _finite("presence_penalty", presence))
+        return self._add("penalties", smpl)
+
+    def add_logit_bias(self, bias: Mapping[int, float]) -> SamplerChain:
+        items = [(self.vocab.check_token(t), _finite("logit_bias", b)) for t, b in bias.items()]
+        arr = ffi.new("llama_logit_bias[]", max(1, len(items)))
+        for i, (t, b) in enumerate(items):
+            arr[i].token = t
+            arr[i].bias = b
+        return self._add("logit_bias", lib.llama_sampler_init_logit_bias(self.vocab.n_tokens, len(items), arr))
+
+    def add_grammar(self, grammar: str, root: str = "root") -> SamplerChain:
+        """Constrain tokens to a GBNF grammar. Raises GrammarError if it does not parse."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise GrammarError("grammar must be a non-empty GBNF string")
+        if self._grammar is not None:
+            raise GrammarError("a chain takes at most one grammar")
+        clear_recent_errors()
+        smpl = lib.llama_sampler_init_grammar(self.vocab._get(), grammar.encode(), root.encode())
+        if smpl == ffi.NULL:
+            why = "; ".join(recent_errors()) or "parse error"
+            raise GrammarError(f"invalid GBNF grammar: {why}")
+        self._add("grammar", smpl)
+        self._grammar = smpl
+        return self
+
+    # use
+
+    def sample(self, ctx: Context, idx: int) -> int:
+        """Choose (and accept) a token from row ``idx`` of ``ctx``'s last decode."""
+        chain = self._get()
+        ctx_ptr = ctx._get()
+        ctx.check_output(idx)
+        return int(lib.llama_sampler_sample(chain, ctx_ptr, idx))
+
+    def _grammar_allows(self, token: int) -> bool:
+        data = ffi.new("llama_token_data[1]")
+        data[0].id = token
+        data[0].logit = 0.0
+        arr = ffi.new("llama_token_data_array *")
+        arr.data = data
+        arr.size = 1
+        arr.selected = -1
+        arr.sorted = False
+        lib.llama_sampler_apply(self._grammar, arr)
+        return bool(math.isfinite(arr.data[0].logit))
+
+    def accept(self, token: int) -> None:
+        """Feed a token that was not sampled (a prompt token) to the chain's state.
+
+        Raises InvalidTokenError for an id outside the vocabulary and GrammarError for a token the
+        grammar rejects: llama.cpp would terminate the process on either.
+        """
+        chain = self._get()
+        self.vocab.check_token(token)
+        if self._grammar is not None and not self._grammar_allows(token):
+            raise GrammarError(f"the grammar does not accept token {token} here")
+        lib.llama_sampler_accept(chain, token)
+
+    def reset(self) -> None:
+        lib.llama_sampler_reset(self._get())
+
+    def clone(self) -> SamplerChain:
+        """An independent copy, state included (RNG, penalty history, grammar position)."""
+        chain = self._get()
+        twin = SamplerChain.__new__(SamplerChain)
+        twin.vocab = self.vocab
+        self.vocab._model._acquire_native()
+        twin._ptr = lib.llama_sampler_clone(chain)
+        twin.names = list(self.names)
+        twin._grammar = None
+        if self._grammar is not None:
+            twin._grammar = lib.llama_sampler_chain_get(twin._ptr, self.names.index("grammar"))
+        return twin

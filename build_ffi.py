@@ -1,0 +1,340 @@
+"""The cffi binding to llama.cpp: API mode, out of line.
+
+``set_source`` makes the C compiler check every declaration below against ``llama.h``: a function
+whose signature drifted fails to compile (the build adds ``-Werror`` for incompatible pointer types),
+an enum constant with another value fails at compile time, and a fully declared struct whose layout
+drifted fails when the module loads. Structs declared with ``...;`` take their layout from the
+compiler, so only the fields named here need to exist with these types.
+
+The build runs ``python build_ffi.py --emit OUT.c`` and compiles OUT.c against llama.
+``tests/test_binding.py`` compiles this cdef again to prove the check bites.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cffi import FFI
+
+MODULE = "aiollama._llama_cffi"
+
+CDEF = r"""
+typedef int32_t llama_pos;
+typedef int32_t llama_token;
+typedef int32_t llama_seq_id;
+
+struct llama_vocab;
+struct llama_model;
+struct llama_context;
+struct llama_sampler;
+typedef struct llama_memory_i * llama_memory_t;
+
+enum ggml_log_level {
+    GGML_LOG_LEVEL_NONE  = 0,
+    GGML_LOG_LEVEL_DEBUG = 1,
+    GGML_LOG_LEVEL_INFO  = 2,
+    GGML_LOG_LEVEL_WARN  = 3,
+    GGML_LOG_LEVEL_ERROR = 4,
+    GGML_LOG_LEVEL_CONT  = 5,
+};
+typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+typedef bool (*ggml_abort_callback)(void * data);
+
+enum llama_vocab_type {
+    LLAMA_VOCAB_TYPE_NONE = 0, LLAMA_VOCAB_TYPE_SPM = 1, LLAMA_VOCAB_TYPE_BPE = 2,
+    LLAMA_VOCAB_TYPE_WPM = 3, LLAMA_VOCAB_TYPE_UGM = 4, LLAMA_VOCAB_TYPE_RWKV = 5,
+    LLAMA_VOCAB_TYPE_PLAMO2 = 6, LLAMA_VOCAB_TYPE_TEST = 7,
+};
+enum llama_split_mode {
+    LLAMA_SPLIT_MODE_NONE = 0, LLAMA_SPLIT_MODE_LAYER = 1, LLAMA_SPLIT_MODE_ROW = 2,
+    LLAMA_SPLIT_MODE_TENSOR = 3,
+};
+enum llama_load_mode {
+    LLAMA_LOAD_MODE_AUTO = -1, LLAMA_LOAD_MODE_NONE = 0, LLAMA_LOAD_MODE_MMAP = 1,
+    LLAMA_LOAD_MODE_MLOCK = 2, LLAMA_LOAD_MODE_MMAP_MLOCK = 3, LLAMA_LOAD_MODE_DIRECT_IO = 4,
+};
+enum llama_flash_attn_type {
+    LLAMA_FLASH_ATTN_TYPE_AUTO = -1, LLAMA_FLASH_ATTN_TYPE_DISABLED = 0,
+    LLAMA_FLASH_ATTN_TYPE_ENABLED = 1,
+};
+enum llama_pooling_type {
+    LLAMA_POOLING_TYPE_UNSPECIFIED = -1, LLAMA_POOLING_TYPE_NONE = 0, LLAMA_POOLING_TYPE_MEAN = 1,
+    LLAMA_POOLING_TYPE_CLS = 2, LLAMA_POOLING_TYPE_LAST = 3, LLAMA_POOLING_TYPE_RANK = 4,
+};
+
+typedef struct llama_token_data {
+    llama_token id;
+    float logit;
+    float p;
+} llama_token_data;
+
+typedef struct llama_token_data_array {
+    llama_token_data * data;
+    size_t size;
+    int64_t selected;
+    bool sorted;
+} llama_token_data_array;
+
+typedef struct llama_batch {
+    int32_t n_tokens;
+    llama_token  *  token;
+    float        *  embd;
+    llama_pos    *  pos;
+    int32_t      *  n_seq_id;
+    llama_seq_id ** seq_id;
+    int8_t       *  logits;
+} llama_batch;
+
+struct llama_model_params {
+    int32_t n_gpu_layers;
+    enum llama_split_mode split_mode;
+    enum llama_load_mode load_mode;
+    int32_t main_gpu;
+    bool vocab_only;
+    bool check_tensors;
+    bool use_extra_bufts;
+    ...;
+};
+
+struct llama_context_params {
+    uint32_t n_ctx;
+    uint32_t n_batch;
+    uint32_t n_ubatch;
+    uint32_t n_seq_max;
+    uint32_t n_outputs_max;
+    int32_t  n_threads;
+    int32_t  n_threads_batch;
+    enum llama_pooling_type pooling_type;
+    enum llama_flash_attn_type flash_attn_type;
+    ggml_abort_callback abort_callback;
+    void * abort_callback_data;
+    bool embeddings;
+    bool offload_kqv;
+    bool no_perf;
+    bool swa_full;
+    bool kv_unified;
+    ...;
+};
+
+typedef struct llama_logit_bias {
+    llama_token token;
+    float bias;
+} llama_logit_bias;
+
+typedef struct llama_sampler_chain_params {
+    bool no_perf;
+} llama_sampler_chain_params;
+
+typedef struct llama_chat_message {
+    const char * role;
+    const char * content;
+} llama_chat_message;
+
+struct llama_perf_context_data {
+    double t_start_ms;
+    double t_load_ms;
+    double t_p_eval_ms;
+    double t_eval_ms;
+    int32_t n_p_eval;
+    int32_t n_eval;
+    int32_t n_reused;
+};
+
+struct llama_perf_sampler_data {
+    double t_sample_ms;
+    int32_t n_sample;
+};
+
+/* lifecycle and params */
+const char * llama_version(void);
+struct llama_model_params llama_model_default_params(void);
+struct llama_context_params llama_context_default_params(void);
+struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
+void llama_backend_init(void);
+void llama_backend_free(void);
+size_t llama_max_parallel_sequences(void);
+bool llama_supports_gpu_offload(void);
+const char * llama_print_system_info(void);
+
+/* model */
+struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
+void llama_model_free(struct llama_model * model);
+const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
+int32_t llama_model_n_ctx_train(const struct llama_model * model);
+int32_t llama_model_n_embd(const struct llama_model * model);
+int32_t llama_model_n_layer(const struct llama_model * model);
+int32_t llama_model_n_head(const struct llama_model * model);
+int32_t llama_model_n_swa(const struct llama_model * model);
+int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
+uint64_t llama_model_size(const struct llama_model * model);
+uint64_t llama_model_n_params(const struct llama_model * model);
+bool llama_model_has_encoder(const struct llama_model * model);
+bool llama_model_has_decoder(const struct llama_model * model);
+bool llama_model_is_recurrent(const struct llama_model * model);
+bool llama_model_is_hybrid(const struct llama_model * model);
+int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
+const char * llama_model_chat_template(const struct llama_model * model, const char * name);
+
+/* context */
+struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);
+void llama_free(struct llama_context * ctx);
+uint32_t llama_n_ctx(const struct llama_context * ctx);
+uint32_t llama_n_ctx_seq(const struct llama_context * ctx);
+uint32_t llama_n_batch(const struct llama_context * ctx);
+uint32_t llama_n_ubatch(const struct llama_context * ctx);
+uint32_t llama_n_seq_max(const struct llama_context * ctx);
+const struct llama_model * llama_get_model(const struct llama_context * ctx);
+llama_memory_t llama_get_memory(const struct llama_context * ctx);
+void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
+int32_t llama_n_threads(struct llama_context * ctx);
+int32_t llama_n_threads_batch(struct llama_context * ctx);
+void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
+void llama_synchronize(struct llama_context * ctx);
+
+/* batch and decode */
+struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
+void llama_batch_free(struct llama_batch batch);
+int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
+float * llama_get_logits(struct llama_context * ctx);
+float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+
+/* memory (KV cache) */
+void llama_memory_clear(llama_memory_t mem, bool data);
+bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1);
+void llama_memory_seq_keep(llama_memory_t mem, llama_seq_id seq_id);
+void llama_memory_seq_add(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos delta);
+llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
+llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
+bool llama_memory_can_shift(llama_memory_t mem);
+
+/* per-sequence state */
+size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
+size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
+
+/* vocab, tokenize, detokenize */
+enum llama_vocab_type llama_vocab_type(const struct llama_vocab * vocab);
+int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
+const char * llama_vocab_get_text(const struct llama_vocab * vocab, llama_token token);
+bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
+bool llama_vocab_is_control(const struct llama_vocab * vocab, llama_token token);
+llama_token llama_vocab_bos(const struct llama_vocab * vocab);
+llama_token llama_vocab_eos(const struct llama_vocab * vocab);
+llama_token llama_vocab_eot(const struct llama_vocab * vocab);
+llama_token llama_vocab_nl(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
+int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
+                       llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
+int32_t llama_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf,
+                             int32_t length, int32_t lstrip, bool special);
+int32_t llama_detokenize(const struct llama_vocab * vocab, const llama_token * tokens, int32_t n_tokens,
+                         char * text, int32_t text_len_max, bool remove_special, bool unparse_special);
+
+/* chat template */
+int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
+                                  bool add_ass, char * buf, int32_t length);
+int32_t llama_chat_builtin_templates(const char ** output, size_t len);
+
+/* sampling */
+struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
+void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
+struct llama_sampler * llama_sampler_chain_get(struct llama_sampler * chain, int32_t i);
+int32_t llama_sampler_chain_n(const struct llama_sampler * chain);
+const char * llama_sampler_name(const struct llama_sampler * smpl);
+void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
+void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
+void llama_sampler_reset(struct llama_sampler * smpl);
+struct llama_sampler * llama_sampler_clone(const struct llama_sampler * smpl);
+void llama_sampler_free(struct llama_sampler * smpl);
+uint32_t llama_sampler_get_seed(const struct llama_sampler * smpl);
+llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+struct llama_sampler * llama_sampler_init_greedy(void);
+struct llama_sampler * llama_sampler_init_dist(uint32_t seed);
+struct llama_sampler * llama_sampler_init_top_k(int32_t k);
+struct llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep);
+struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
+struct llama_sampler * llama_sampler_init_typical(float p, size_t min_keep);
+struct llama_sampler * llama_sampler_init_temp(float t);
+struct llama_sampler * llama_sampler_init_temp_ext(float t, float delta, float exponent);
+struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab, const char * grammar_str,
+                                                  const char * grammar_root);
+struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n, float penalty_repeat,
+                                                    float penalty_freq, float penalty_present);
+struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
+                                                     const llama_logit_bias * logit_bias);
+
+/* logging and perf */
+void llama_log_set(ggml_log_callback log_callback, void * user_data);
+struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
+void llama_perf_context_reset(struct llama_context * ctx);
+struct llama_perf_sampler_data llama_perf_sampler(const struct llama_sampler * chain);
+
+/* helpers compiled into this module (see HELPERS) */
+bool aiollama_abort_cb(void * data);
+void aiollama_flag_store(int * flag, int value);
+int aiollama_flag_load(int * flag);
+void aiollama_log_install(int min_level);
+extern "Python" void aiollama_log_py(int level, const char * text);
+"""
+
+# The abort callback runs after every graph node on the decoding thread, so it stays in C: it reads
+# an int that Python sets atomically. The log trampoline drops messages under the chosen level
+# in C, so llama.cpp's debug chatter never has to take the GIL.
+HELPERS = r"""
+#include "llama.h"
+
+static bool aiollama_abort_cb(void * data) {
+    return __atomic_load_n((int *) data, __ATOMIC_ACQUIRE) != 0;
+}
+
+static void aiollama_flag_store(int * flag, int value) {
+    __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+}
+
+static int aiollama_flag_load(int * flag) {
+    return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+}
+
+static void aiollama_log_py(int level, const char * text);
+
+static int aiollama_log_min_level = GGML_LOG_LEVEL_WARN;
+static int aiollama_log_last_level = GGML_LOG_LEVEL_NONE;
+
+static void aiollama_log_trampoline(enum ggml_log_level level, const char * text, void * user_data) {
+    (void) user_data;
+    int effective = (level == GGML_LOG_LEVEL_CONT) ? aiollama_log_last_level : (int) level;
+    aiollama_log_last_level = effective;
+    if (effective >= aiollama_log_min_level && text != NULL) {
+        aiollama_log_py(effective, text);
+    }
+}
+
+static void aiollama_log_install(int min_level) {
+    aiollama_log_min_level = min_level;
+    llama_log_set(aiollama_log_trampoline, NULL);
+}
+"""
+
+
+def make_builder(cdef: str = CDEF) -> FFI:
+    builder = FFI()
+    builder.cdef(cdef)
+    builder.set_source(MODULE, HELPERS)
+    return builder
+
+
+ffibuilder = make_builder()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--emit":
+        ffibuilder.emit_c_code(argv[1])
+        return 0
+    print("usage: python build_ffi.py --emit OUT.c", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
