@@ -1,13 +1,17 @@
 """The cffi binding to llama.cpp: API mode, out of line.
 
-``set_source`` makes the C compiler check every declaration below against ``llama.h``: a function
-whose signature drifted fails to compile (the build adds ``-Werror`` for incompatible pointer types),
-an enum constant with another value fails at compile time, and a fully declared struct whose layout
-drifted fails when the module loads. Structs declared with ``...;`` take their layout from the
-compiler, so only the fields named here need to exist with these types.
+``set_source`` makes the C compiler check every declaration below against ``llama.h``:
+
+- a function whose signature drifted, or that the header lacks, fails to compile (the source turns
+  incompatible pointer types and implicit declarations into errors);
+- a field of another type, or a missing field or enum constant, fails to compile;
+- a fully declared struct whose size or layout drifted fails when the module checks its types,
+  which ``aiollama.native.binding`` does at import (``verify_declarations``);
+- structs declared with ``...;`` and enums declared with ``...`` take their layout and values from
+  the compiler, so only the names here need to exist.
 
 The build runs ``python build_ffi.py --emit OUT.c`` and compiles OUT.c against llama.
-``tests/test_binding.py`` compiles this cdef again to prove the check bites.
+``tests/test_binding.py`` compiles drifted copies of this cdef to prove each check bites.
 """
 
 from __future__ import annotations
@@ -30,36 +34,29 @@ struct llama_sampler;
 typedef struct llama_memory_i * llama_memory_t;
 
 enum ggml_log_level {
-    GGML_LOG_LEVEL_NONE  = 0,
-    GGML_LOG_LEVEL_DEBUG = 1,
-    GGML_LOG_LEVEL_INFO  = 2,
-    GGML_LOG_LEVEL_WARN  = 3,
-    GGML_LOG_LEVEL_ERROR = 4,
-    GGML_LOG_LEVEL_CONT  = 5,
+    GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_DEBUG, GGML_LOG_LEVEL_INFO, GGML_LOG_LEVEL_WARN,
+    GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT, ...
 };
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
 typedef bool (*ggml_abort_callback)(void * data);
 
 enum llama_vocab_type {
-    LLAMA_VOCAB_TYPE_NONE = 0, LLAMA_VOCAB_TYPE_SPM = 1, LLAMA_VOCAB_TYPE_BPE = 2,
-    LLAMA_VOCAB_TYPE_WPM = 3, LLAMA_VOCAB_TYPE_UGM = 4, LLAMA_VOCAB_TYPE_RWKV = 5,
-    LLAMA_VOCAB_TYPE_PLAMO2 = 6, LLAMA_VOCAB_TYPE_TEST = 7,
+    LLAMA_VOCAB_TYPE_NONE, LLAMA_VOCAB_TYPE_SPM, LLAMA_VOCAB_TYPE_BPE, LLAMA_VOCAB_TYPE_WPM,
+    LLAMA_VOCAB_TYPE_UGM, LLAMA_VOCAB_TYPE_RWKV, LLAMA_VOCAB_TYPE_PLAMO2, LLAMA_VOCAB_TYPE_TEST, ...
 };
 enum llama_split_mode {
-    LLAMA_SPLIT_MODE_NONE = 0, LLAMA_SPLIT_MODE_LAYER = 1, LLAMA_SPLIT_MODE_ROW = 2,
-    LLAMA_SPLIT_MODE_TENSOR = 3,
+    LLAMA_SPLIT_MODE_NONE, LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_ROW, LLAMA_SPLIT_MODE_TENSOR, ...
 };
 enum llama_load_mode {
-    LLAMA_LOAD_MODE_AUTO = -1, LLAMA_LOAD_MODE_NONE = 0, LLAMA_LOAD_MODE_MMAP = 1,
-    LLAMA_LOAD_MODE_MLOCK = 2, LLAMA_LOAD_MODE_MMAP_MLOCK = 3, LLAMA_LOAD_MODE_DIRECT_IO = 4,
+    LLAMA_LOAD_MODE_AUTO, LLAMA_LOAD_MODE_NONE, LLAMA_LOAD_MODE_MMAP, LLAMA_LOAD_MODE_MLOCK,
+    LLAMA_LOAD_MODE_MMAP_MLOCK, LLAMA_LOAD_MODE_DIRECT_IO, ...
 };
 enum llama_flash_attn_type {
-    LLAMA_FLASH_ATTN_TYPE_AUTO = -1, LLAMA_FLASH_ATTN_TYPE_DISABLED = 0,
-    LLAMA_FLASH_ATTN_TYPE_ENABLED = 1,
+    LLAMA_FLASH_ATTN_TYPE_AUTO, LLAMA_FLASH_ATTN_TYPE_DISABLED, LLAMA_FLASH_ATTN_TYPE_ENABLED, ...
 };
 enum llama_pooling_type {
-    LLAMA_POOLING_TYPE_UNSPECIFIED = -1, LLAMA_POOLING_TYPE_NONE = 0, LLAMA_POOLING_TYPE_MEAN = 1,
-    LLAMA_POOLING_TYPE_CLS = 2, LLAMA_POOLING_TYPE_LAST = 3, LLAMA_POOLING_TYPE_RANK = 4,
+    LLAMA_POOLING_TYPE_UNSPECIFIED, LLAMA_POOLING_TYPE_NONE, LLAMA_POOLING_TYPE_MEAN,
+    LLAMA_POOLING_TYPE_CLS, LLAMA_POOLING_TYPE_LAST, LLAMA_POOLING_TYPE_RANK, ...
 };
 
 typedef struct llama_token_data {
@@ -283,6 +280,11 @@ extern "Python" void aiollama_log_py(int level, const char * text);
 # an int that Python sets atomically. The log trampoline drops messages under the chosen level
 # in C, so llama.cpp's debug chatter never has to take the GIL.
 HELPERS = r"""
+/* A declaration that drifted from llama.h must fail the build, not warn. */
+#pragma GCC diagnostic error "-Wincompatible-pointer-types"
+#pragma GCC diagnostic error "-Wint-conversion"
+#pragma GCC diagnostic error "-Wimplicit-function-declaration"
+
 #include "llama.h"
 
 static bool aiollama_abort_cb(void * data) {
@@ -318,10 +320,11 @@ static void aiollama_log_install(int min_level) {
 """
 
 
-def make_builder(cdef: str = CDEF) -> FFI:
+def make_builder(cdef: str = CDEF, **source_kwargs: object) -> FFI:
+    """An FFI builder for ``cdef``; ``source_kwargs`` go to ``set_source`` (include_dirs...)."""
     builder = FFI()
     builder.cdef(cdef)
-    builder.set_source(MODULE, HELPERS)
+    builder.set_source(MODULE, HELPERS, **source_kwargs)
     return builder
 
 

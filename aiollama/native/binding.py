@@ -73,11 +73,28 @@ def set_log_level(level: int) -> None:
     lib.aiollama_log_install(ggml_level)
 
 
+def verify_declarations(ffi: Any, lib: Any) -> None:
+    """Touch every declared type and function, so that cffi compares each with what the C compiler
+    saw in llama.h. Raises ``ffi.error`` on drift, for example a struct of another size."""
+    typedefs, structs, unions = ffi.list_types()
+    names = list(typedefs) + [f"struct {n}" for n in structs] + [f"union {n}" for n in unions]
+    for name in names:
+        if name.split()[-1] in _OPAQUE:
+            continue
+        ffi.sizeof(name)
+    for name in dir(lib):
+        getattr(lib, name)
+
+
+_OPAQUE = {"llama_vocab", "llama_model", "llama_context", "llama_sampler", "llama_memory_i"}
+
+
 def _shutdown() -> None:
     # Callbacks into Python during interpreter teardown crash; put llama.cpp back on stderr first.
     lib.llama_log_set(ffi.NULL, ffi.NULL)
 
 
+verify_declarations(ffi, lib)
 lib.aiollama_log_install(3)
 lib.llama_backend_init()
 atexit.register(_shutdown)

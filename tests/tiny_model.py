@@ -1,0 +1,109 @@
+"""Tiny random-weight llama models for fast native tests.
+
+The weights are random (2 layers, width 64), so the text is nonsense, but the tokenizer metadata is
+SmolLM2's real one (GPT-2 style BPE, 49152 tokens), so real text tokenizes and detokenizes exactly
+as with the real model. A model is deterministic for a given seed and cached by its parameters.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+TOKENIZER_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_space_prefix",
+    "tokenizer.chat_template",
+)
+
+
+def write_tiny_model(
+    path: Path,
+    tokenizer_source: Path,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_ctx_train: int = 4096,
+    seed: int = 0,
+) -> Path:
+    reader = GGUFReader(str(tokenizer_source))
+    fields = {k: reader.fields[k] for k in TOKENIZER_KEYS if k in reader.fields}
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data)
+    head_dim = n_embd // n_head
+
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), "llama")
+    writer.add_name("aiollama tiny test model")
+    writer.add_block_count(n_layer)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(0)  # all F32
+    for key, field in fields.items():
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        elif vtype == GGUFValueType.STRING:
+            writer.add_string(key, value)
+        elif vtype == GGUFValueType.BOOL:
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    # numpy shape (rows, cols) is ggml ne = [cols, rows]
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd, scale=0.2))
+        writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd, scale=0.2))
+        writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd, scale=0.2))
+        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim, scale=0.2))
+        writer.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd, scale=0.2))
+        writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd, scale=0.2))
+        writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, scale=0.2))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, path)
+    return path
+
+
+def tiny_model(cache: Path, tokenizer_source: Path, **params: int) -> Path:
+    """The cached tiny model for these parameters, written on first use."""
+    tag = "-".join(f"{k}{v}" for k, v in sorted(params.items())) or "default"
+    path = cache / f"tiny-llama-v1-{tag}.gguf"
+    if not path.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        write_tiny_model(path, tokenizer_source, **params)
+    return path
