@@ -312,5 +312,8 @@ class Context(Handle):
             raise AiollamaError(f"could not restore the state of sequence {seq_id} (no room, or another layout)")
 
     def perf(self) -> Perf:
-        d = lib.llama_perf_context(self._get())
+        """llama.cpp's timings; they are accumulated when the context synchronizes."""
+        ptr = self._get()
+        lib.llama_synchronize(ptr)
+        d = lib.llama_perf_context(ptr)
         return Perf(d.t_load_ms, d.t_p_eval_ms, d.t_eval_ms, d.n_p_eval, d.n_eval, d.n_reused)
