@@ -40,7 +40,7 @@ _errors: collections.deque[str] = collections.deque(maxlen=8)
 _errors_lock = threading.Lock()
 
 
-@ffi.def_extern()  # type: ignore[misc]
+@ffi.def_extern()  # type: ignore[untyped-decorator]
 def aiollama_log_py(level: int, text: Any) -> None:
     message = ffi.string(text).decode("utf-8", "replace").rstrip("\n")
     if not message:
