@@ -1,41 +1,90 @@
 """aiollama: many concurrent llama.cpp conversations from async Python.
 
-This release carries the foundation: the pinned llama.cpp, its cffi binding, and the native layer
-(:mod:`aiollama.native`) of typed owners for models, contexts, batches and sampler chains.
+``Engine`` multiplexes any number of ``Conversation`` objects onto one llama.cpp context driven by
+one decode thread (continuous batching); ``SyncEngine`` does the same for plain threads. The native
+layer underneath is :mod:`aiollama.native`.
+
+Names are imported on first use, so that importing a pure module (``aiollama.scheduler``) does not
+load llama.cpp or anyio.
 """
 
-import logging
+from __future__ import annotations
 
-from aiollama.errors import (
-    AiollamaError,
-    ClosedError,
-    DecodeError,
-    GrammarError,
-    InvalidBatchError,
-    InvalidOutputError,
-    InvalidRequestError,
-    InvalidSeqIdError,
-    InvalidTokenError,
-    ModelLoadError,
-)
-from aiollama.models import cache_dir, default_model, pull
+import importlib
+import logging
+from typing import TYPE_CHECKING, Any
 
 logging.getLogger("aiollama").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AiollamaError",
-    "ClosedError",
-    "DecodeError",
-    "GrammarError",
-    "InvalidBatchError",
-    "InvalidOutputError",
-    "InvalidRequestError",
-    "InvalidSeqIdError",
-    "InvalidTokenError",
-    "ModelLoadError",
-    "cache_dir",
-    "default_model",
-    "pull",
-]
+_EXPORTS = {
+    "Chunk": "aiollama.conversation",
+    "Completion": "aiollama.conversation",
+    "Conversation": "aiollama.conversation",
+    "Stream": "aiollama.conversation",
+    "SyncConversation": "aiollama.conversation",
+    "SyncStream": "aiollama.conversation",
+    "Statistics": "aiollama.decode_loop",
+    "Engine": "aiollama.engine",
+    "SyncEngine": "aiollama.engine",
+    "SamplingParams": "aiollama.sampling",
+    "cache_dir": "aiollama.models",
+    "default_model": "aiollama.models",
+    "pull": "aiollama.models",
+    "AiollamaError": "aiollama.errors",
+    "ClosedError": "aiollama.errors",
+    "ContextFull": "aiollama.errors",
+    "ConversationClosed": "aiollama.errors",
+    "DecodeError": "aiollama.errors",
+    "EngineClosed": "aiollama.errors",
+    "EngineDead": "aiollama.errors",
+    "GrammarError": "aiollama.errors",
+    "InvalidBatchError": "aiollama.errors",
+    "InvalidOutputError": "aiollama.errors",
+    "InvalidRequestError": "aiollama.errors",
+    "InvalidSeqIdError": "aiollama.errors",
+    "InvalidTokenError": "aiollama.errors",
+    "ModelLoadError": "aiollama.errors",
+    "Overloaded": "aiollama.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiollama' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
+
+
+if TYPE_CHECKING:
+    from aiollama.conversation import Chunk, Completion, Conversation, Stream, SyncConversation, SyncStream
+    from aiollama.decode_loop import Statistics
+    from aiollama.engine import Engine, SyncEngine
+    from aiollama.errors import (
+        AiollamaError,
+        ClosedError,
+        ContextFull,
+        ConversationClosed,
+        DecodeError,
+        EngineClosed,
+        EngineDead,
+        GrammarError,
+        InvalidBatchError,
+        InvalidOutputError,
+        InvalidRequestError,
+        InvalidSeqIdError,
+        InvalidTokenError,
+        ModelLoadError,
+        Overloaded,
+    )
+    from aiollama.models import cache_dir, default_model, pull
+    from aiollama.sampling import SamplingParams

@@ -4,7 +4,12 @@ Everything derives from :class:`AiollamaError`. Errors about the caller's input 
 :class:`ValueError`, so code that already catches ``ValueError`` keeps working::
 
     AiollamaError
-    ├── ClosedError             a handle (model, context, batch, sampler) was used after close()
+    ├── Overloaded              the engine's queue is full; retry later            (act on it)
+    ├── ContextFull             a conversation is longer than the context can hold (act on it)
+    ├── ClosedError             something was used after it was closed
+    │   ├── EngineClosed            the engine was closed
+    │   └── ConversationClosed      the conversation was closed
+    ├── EngineDead              the decode thread failed; every stream gets this   (engine gone)
     ├── ModelLoadError          the model file is missing, not GGUF, truncated or unsupported
     ├── InvalidRequestError     bad input, refused before it reaches llama.cpp (also ValueError)
     │   ├── InvalidBatchError       batch too large, empty, position gaps
@@ -15,6 +20,8 @@ Everything derives from :class:`AiollamaError`. Errors about the caller's input 
     └── DecodeError             llama.cpp failed to decode (compute or allocation failure)
 
 Input errors leave the native state untouched: the caller can fix the input and go on.
+``Overloaded`` and ``ContextFull`` concern one request; the engine keeps serving everyone else.
+``EngineDead`` means the engine is gone: every waiting stream and every later call gets it.
 A ``DecodeError`` means the context may hold partial results of the failed call.
 """
 
@@ -27,6 +34,26 @@ class AiollamaError(Exception):
 
 class ClosedError(AiollamaError, RuntimeError):
     """A handle was used after it was closed."""
+
+
+class EngineClosed(ClosedError):
+    """The engine was closed (or never started)."""
+
+
+class ConversationClosed(ClosedError):
+    """The conversation was closed with ``aclose()``."""
+
+
+class EngineDead(AiollamaError):
+    """The decode thread stopped on a fatal error; the engine cannot serve anymore."""
+
+
+class Overloaded(AiollamaError):
+    """More generations are queued than ``max_queued`` allows. Nothing was queued; retry later."""
+
+
+class ContextFull(AiollamaError):
+    """The conversation's history alone is as long as the context: nothing can be generated."""
 
 
 class ModelLoadError(AiollamaError, ValueError):

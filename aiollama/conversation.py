@@ -1,0 +1,329 @@
+"""Conversations and their streams: the public face of the engine.
+
+A conversation is the whole token history. ``prompt()`` appends to it without blocking; ``stream()``
+generates a continuation of everything prompted and generated so far; ``fork()`` branches it, and the
+branches share the KV cells of their common prefix. Every call only queues a command for the decode
+thread; none of this code calls into llama.cpp, except the tokenizer, which is thread-safe.
+
+Forking a conversation while it streams branches it at the decode thread's current position: the
+child holds every token generated so far, including any not yet delivered to the stream.
+Prompting a conversation while it streams appends after that generation ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from aiollama.commands import Cancel, Close, Delta, Fork, Generate, Prompt
+from aiollama.errors import ConversationClosed, Overloaded
+from aiollama.portal import AsyncSink, ThreadSink, current_portal
+from aiollama.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from aiollama.engine import EngineCore
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Text and tokens generated in one step. ``text`` never holds a broken UTF-8 character."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation: ``finish_reason`` is "eog", "stop", "length" or "cancelled"."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+
+
+@dataclass
+class _Collector:
+    """Accumulates a stream's deltas; shared by the async and the blocking streams."""
+
+    parts: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def take(self, delta: Delta) -> Chunk | None:
+        """Record a delta; return the chunk to hand out, or None when there is nothing left."""
+        if delta.error is not None:
+            self.finish_reason = self.finish_reason or "error"
+            raise delta.error
+        self.parts.append(delta.text)
+        self.tokens.extend(delta.tokens)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            if not delta.text and not delta.tokens:
+                return None
+        return Chunk(delta.text, list(delta.tokens), delta.finish_reason)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def completion(self) -> Completion:
+        return Completion("".join(self.parts), list(self.tokens), self.finish_reason or "cancelled")
+
+
+class _StreamBase:
+    def __init__(self, conv: _ConversationBase) -> None:
+        self._conv = conv
+        self._result = _Collector()
+
+    def cancel(self) -> None:
+        """Ask the engine to end this generation; the stream then finishes with "cancelled"."""
+        if not self._result.done:
+            self._conv._cancel()
+
+    def _abandon(self) -> None:
+        if not self._result.done:
+            self._result.finish_reason = "cancelled"
+            self._conv._cancel()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._result.finish_reason
+
+    def __del__(self) -> None:
+        # Breaking out of a loop drops the stream: end its generation within a step.
+        try:
+            self._abandon()
+        except Exception:  # noqa: BLE001 - the engine may already be gone
+            pass
+
+
+class Stream(_StreamBase):
+    """An async stream of :class:`Chunk`. Iterate it with ``async for``, or await it for a
+    :class:`Completion`. Leaving the loop early, cancelling the consuming task or a timeout ends the
+    generation within one decode step."""
+
+    def __init__(self, conv: Conversation, sink: AsyncSink) -> None:
+        super().__init__(conv)
+        self._sink = sink
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        while not self._result.done:
+            try:
+                delta = await self._sink.get()
+            except BaseException:
+                self._abandon()
+                raise
+            chunk = self._result.take(delta)
+            if chunk is not None:
+                return chunk
+        raise StopAsyncIteration
+
+    async def _collect(self) -> Completion:
+        async for _ in self:
+            pass
+        return self._result.completion()
+
+    def __await__(self) -> Generator[Any, None, Completion]:
+        return self._collect().__await__()
+
+    async def aclose(self) -> None:
+        """Cancel the generation and wait until the engine has ended it."""
+        self.cancel()
+        with anyio.CancelScope(shield=True):
+            async for _ in self:
+                pass
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class SyncStream(_StreamBase):
+    """A blocking stream of :class:`Chunk` for code on plain threads; ``result()`` collects it."""
+
+    def __init__(self, conv: SyncConversation, sink: ThreadSink) -> None:
+        super().__init__(conv)
+        self._sink = sink
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        while not self._result.done:
+            try:
+                delta = self._sink.get()
+            except BaseException:
+                self._abandon()
+                raise
+            chunk = self._result.take(delta)
+            if chunk is not None:
+                return chunk
+        raise StopIteration
+
+    def result(self) -> Completion:
+        for _ in self:
+            pass
+        return self._result.completion()
+
+    def close(self) -> None:
+        self.cancel()
+        for _ in self:
+            pass
+
+    def __enter__(self) -> SyncStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _ConversationBase:
+    def __init__(self, core: EngineCore, conv_id: int, *, fresh: bool) -> None:
+        self._core = core
+        self.id = conv_id
+        self._fresh = fresh  # no token yet: the first text prompt gets BOS if the model wants it
+        self._closed = False
+
+    def _check(self) -> None:
+        self._core.check()
+        if self._closed:
+            raise ConversationClosed("the conversation is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def prompt(self, content: str | Sequence[int], *, special: bool = False) -> None:
+        """Append text or token ids to the conversation. Never blocks.
+
+        The first text prompt of a conversation gets BOS as the model's metadata asks; token ids are
+        taken as they are. ``special`` parses special-token text (``<|im_start|>``) into those tokens.
+
+        Raises:
+            InvalidTokenError: a token id outside the vocabulary.
+            InvalidRequestError: content that is neither text nor token ids.
+            ConversationClosed, EngineClosed, EngineDead.
+        """
+        self._check()
+        tokens = self._core.encode(content, first=self._fresh, special=special)
+        if tokens:
+            self._fresh = False
+            self._core.send(Prompt(self.id, tuple(tokens)))
+
+    def _fork_into(self, child: _ConversationBase) -> None:
+        self._core.send(Fork(self.id, child.id))
+
+    def _start(self, params: dict[str, Any], sink: AsyncSink | ThreadSink) -> None:
+        self._check()
+        sampling = SamplingParams.from_kwargs(**params)
+        admission = self._core.loop.admission
+        if not admission.enter():
+            raise Overloaded(f"{admission.limit} generations are already waiting (max_queued); retry later")
+        try:
+            self._core.send(Generate(self.id, sampling, sink))
+        except BaseException:
+            admission.leave()
+            raise
+
+    def _cancel(self) -> None:
+        if not self._closed and self._core.usable:
+            self._core.send(Cancel(self.id))
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed and self._core.usable:
+                self._closed = True
+                self._core.send(Close(self.id))
+        except Exception:  # noqa: BLE001 - the engine may already be gone
+            pass
+
+
+class Conversation(_ConversationBase):
+    """A conversation for async code (asyncio or trio). Create it with ``Engine.conversation()``."""
+
+    def fork(self) -> Conversation:
+        """A new conversation with this one's history, sharing its KV prefix. Never blocks."""
+        self._check()
+        child = Conversation(self._core, self._core.new_id(), fresh=self._fresh)
+        self._fork_into(child)
+        return child
+
+    def stream(self, **params: Any) -> Stream:
+        """Start generating; returns a :class:`Stream` to iterate or await.
+
+        Parameters are those of :class:`aiollama.sampling.SamplingParams` (max_tokens, temperature,
+        top_k, top_p, min_p, typical_p, repeat_penalty, frequency_penalty, presence_penalty,
+        penalty_last_n, seed, logit_bias, grammar, stop, ignore_eos).
+
+        Raises:
+            InvalidRequestError: a bad parameter (a ValueError naming it).
+            Overloaded: ``max_queued`` generations are already waiting.
+            ConversationClosed, EngineClosed, EngineDead.
+        The stream itself raises ContextFull when the history fills the context, and GrammarError for
+        a grammar that does not parse.
+        """
+        sink = AsyncSink(current_portal())
+        self._start(params, sink)
+        return Stream(self, sink)
+
+    async def aclose(self) -> None:
+        """End any generation and free the conversation's seq id and KV cells. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._core.usable:
+            return
+        sink = AsyncSink(current_portal())
+        self._core.send(Close(self.id, sink))
+        with anyio.CancelScope(shield=True):
+            await sink.get()
+
+    async def __aenter__(self) -> Conversation:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+
+class SyncConversation(_ConversationBase):
+    """A conversation for code on plain threads. Create it with ``SyncEngine.conversation()``."""
+
+    def fork(self) -> SyncConversation:
+        self._check()
+        child = SyncConversation(self._core, self._core.new_id(), fresh=self._fresh)
+        self._fork_into(child)
+        return child
+
+    def stream(self, **params: Any) -> SyncStream:
+        """Start generating; iterate the result, or call ``result()``. See ``Conversation.stream``."""
+        sink = ThreadSink()
+        self._start(params, sink)
+        return SyncStream(self, sink)
+
+    def close(self) -> None:
+        """End any generation and free the conversation's seq id and KV cells. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._core.usable:
+            return
+        sink = ThreadSink()
+        self._core.send(Close(self.id, sink))
+        sink.get()
+
+    def __enter__(self) -> SyncConversation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

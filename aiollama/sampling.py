@@ -1,0 +1,105 @@
+"""Generation parameters: validated where the caller passes them, applied on the decode thread."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiollama.errors import InvalidRequestError
+
+
+def _number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+            low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise InvalidRequestError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise InvalidRequestError(f"{name} must be <= {high}, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an int, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one stream chooses its tokens.
+
+    ``temperature`` 0 means greedy. The penalties look at the last ``penalty_last_n`` tokens of the
+    conversation, prompt included. ``seed`` None picks a random seed. ``grammar`` is GBNF text.
+    ``stop`` strings end the stream and are never emitted. Every field is checked on creation and a
+    bad one raises ``InvalidRequestError`` (a ``ValueError``) naming it.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    grammar: str | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _integer("max_tokens", self.max_tokens, low=1, high=2**31 - 1)
+        _number("temperature", self.temperature, low=0.0)
+        _integer("top_k", self.top_k, low=0, high=2**31 - 1)
+        _number("top_p", self.top_p, low=0.0, high=1.0)
+        _number("min_p", self.min_p, low=0.0, high=1.0)
+        _number("typical_p", self.typical_p, low=0.0, high=1.0, low_open=True)
+        _number("repeat_penalty", self.repeat_penalty, low=0.0, low_open=True)
+        _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _integer("penalty_last_n", self.penalty_last_n, low=-1, high=2**31 - 1)
+        if self.seed is not None:
+            _integer("seed", self.seed, low=0, high=2**32 - 2)
+        if not isinstance(self.logit_bias, Mapping):
+            raise InvalidRequestError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+        for token, bias in self.logit_bias.items():
+            _integer("logit_bias token", token, low=0)
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool)) or math.isnan(bias):
+                raise InvalidRequestError(f"logit_bias value for token {token} must be a number, got {bias!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise InvalidRequestError("grammar must be a non-empty GBNF string")
+        stop: Any = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+            raise InvalidRequestError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0) and self.penalty_last_n != 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> SamplingParams:
+        """Build from keyword arguments; unknown names raise InvalidRequestError naming them."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,170 @@
+"""The scheduler with a fake KV cache and a fake decoder: no model, no cffi, no anyio."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aiollama.errors import ContextFull
+from aiollama.scheduler import MIN_PREFILL_CHUNK, Copy, Phase, Plan, Scheduler, common_prefix
+from fake_kv import FakeKV
+
+
+class Harness:
+    """Runs the scheduler against the fake KV; every sampled token is 1000 + step."""
+
+    def __init__(self, n_ctx: int = 256, n_seq_max: int = 4, n_batch: int = 64, step_tokens: int = 32) -> None:
+        self.sched = Scheduler(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, step_tokens=step_tokens)
+        self.kv = FakeKV(n_ctx, n_seq_max)
+        self.generated: dict[int, list[int]] = {}
+        self.limit: dict[int, int] = {}
+        self.plans: list[Plan] = []
+
+    def start(self, conv: int, tokens: list[int] | None, n_new: int) -> None:
+        if tokens is not None:
+            self.sched.add(conv, tokens)
+        self.generated[conv] = []
+        self.limit[conv] = n_new
+        self.sched.submit(conv)
+
+    def step(self) -> Plan:
+        plan = self.sched.schedule()
+        self.plans.append(plan)
+        self.kv.apply(plan)
+        assert plan.n_tokens <= self.sched.n_batch
+        assert self.kv.decode(plan), "the plan did not fit the KV cache"
+        self.sched.commit(plan)
+        for row in plan.rows:
+            if row.logits:
+                token = 1000 + len(self.plans)
+                self.sched.add_token(row.conv, token)
+                self.generated[row.conv].append(token)
+                if len(self.generated[row.conv]) >= self.limit[row.conv]:
+                    self.sched.finish(row.conv)
+        self.check()
+        return plan
+
+    def check(self) -> None:
+        assert self.kv.used == self.sched.cells.used
+        ids = [s.seq_id for s in self.sched._seqs.values() if s.seq_id is not None]
+        assert len(ids) == len(set(ids))
+        for seq in self.sched._seqs.values():
+            if seq.seq_id is not None:
+                assert self.kv.positions(seq.seq_id) == list(range(seq.n_cached))
+
+    def run(self, max_steps: int = 1000) -> int:
+        n = 0
+        while self.sched.busy:
+            self.step()
+            n += 1
+            assert n < max_steps, "the scheduler stopped making progress"
+        return n
+
+
+def test_decode_rows_go_first_and_prompts_are_chunked() -> None:
+    h = Harness(step_tokens=16)
+    h.start(1, list(range(1, 6)), 50)
+    h.step()  # prompt of 5 fits in one chunk
+    h.step()
+    h.start(2, list(range(100, 200)), 5)  # a long prompt joins
+    for _ in range(5):
+        plan = h.step()
+        assert plan.rows[0].conv == 1 and len(plan.rows[0].tokens) == 1  # the stream keeps going
+        assert plan.n_tokens <= max(16, 1 + MIN_PREFILL_CHUNK)
+    assert h.sched.get(2).n_cached > 0
+
+
+def test_round_robin_between_prompts() -> None:
+    h = Harness(step_tokens=16)
+    h.start(1, list(range(1, 100)), 1)
+    h.start(2, list(range(200, 300)), 1)
+    first, second = h.step(), h.step()
+    assert {r.conv for r in first.rows} != {r.conv for r in second.rows} or len(first.rows) == 2
+
+
+def test_fork_shares_the_prefix() -> None:
+    h = Harness(n_ctx=512)
+    h.start(1, list(range(1, 101)), 1)
+    h.run()
+    used = h.sched.cells.used
+    for child in (2, 3, 4):
+        h.sched.fork(1, child)
+        h.start(child, None, 10)
+    h.run()
+    assert any(isinstance(op, Copy) for plan in h.plans for op in plan.ops)
+    # three continuations of ~10 tokens; the 100-token prefix is not copied
+    assert h.sched.cells.used <= used + 3 * 11
+
+
+def test_followers_wait_for_the_leader_instead_of_evaluating_twice() -> None:
+    h = Harness(n_ctx=1024, n_batch=64, step_tokens=64)
+    prefix = list(range(1, 301))
+    for conv in range(4):
+        h.start(conv, prefix + [5000 + conv], 3)
+    h.run()
+    evaluated = sum(p.n_tokens for p in h.plans)
+    assert evaluated < len(prefix) + 4 * 10
+
+
+def test_idle_conversations_are_evicted_lru_for_seq_ids() -> None:
+    h = Harness(n_seq_max=2)
+    for conv in (1, 2):
+        h.start(conv, [conv, conv + 10], 2)
+    h.run()
+    assert h.sched.counts().seq_ids_used == 2  # both idle, both cached
+    h.sched.append(1, [7])  # conversation 1 was used more recently
+    h.start(3, [3, 30], 2)
+    h.run()
+    assert h.sched.get(2).seq_id is None and h.sched.get(1).seq_id is not None
+    h.start(2, None, 2)  # evicted: re-evaluated transparently
+    h.run()
+    assert len(h.generated[2]) == 2
+
+
+def test_preemption_when_the_cache_is_full() -> None:
+    h = Harness(n_ctx=64, n_seq_max=4, step_tokens=64)
+    for conv in range(4):
+        h.start(conv, [conv * 100 + i for i in range(10)], 12)
+    h.run()
+    assert all(len(g) == 12 for g in h.generated.values())
+    # four conversations of 22 tokens cannot all be cached in 64 cells at once
+    assert any(s.phase is Phase.IDLE for s in h.sched._seqs.values())
+
+
+def test_history_longer_than_the_context_is_refused() -> None:
+    h = Harness(n_ctx=32)
+    h.sched.add(1, list(range(40)))
+    with pytest.raises(ContextFull):
+        h.sched.submit(1)
+
+
+def test_removing_frees_seq_ids_and_cells() -> None:
+    h = Harness()
+    h.start(1, list(range(1, 30)), 3)
+    h.sched.fork(1, 2)
+    h.start(2, None, 3)
+    h.run()
+    h.sched.remove(1)
+    h.sched.remove(2)
+    plan = h.sched.schedule()
+    h.kv.apply(plan)
+    assert h.sched.cells.used == h.kv.used == 0
+    assert h.sched.counts().seq_ids_used == 0
+
+
+def test_common_prefix() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix(list(range(1000)), list(range(999)) + [0]) == 999
+
+
+def test_scheduler_imports_neither_cffi_nor_anyio(tmp_path: Path) -> None:
+    code = ("import sys, aiollama.scheduler, aiollama.kvcache, aiollama.text, aiollama.sampling;"
+            "bad = [m for m in ('cffi', '_cffi_backend', 'anyio', 'aiollama._llama_cffi') if m in sys.modules];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
