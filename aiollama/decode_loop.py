@@ -272,8 +272,8 @@ class DecodeLoop:
             self._apply(ctx, plan)
             self._note_admissions()
             if not plan.rows:
-                self._flush()
                 self._publish()
+                self._flush()
                 continue
             batch.clear()
             outputs: list[tuple[int, int]] = []
@@ -282,6 +282,7 @@ class DecodeLoop:
                 if row.logits:
                     outputs.append((row.conv, last))
             self._in_prefill = frozenset(r.conv for r in plan.rows if len(r.tokens) > 1)
+            self._publish()  # admissions show while a long decode runs
             ctx.clear_abort()
             t1 = time.perf_counter()
             status = ctx.decode(batch)
@@ -305,9 +306,9 @@ class DecodeLoop:
                     raise DecodeError(f"llama_decode failed: {status.name}")
             else:
                 raise DecodeError(f"llama_decode rejected a planned batch: {status.name}")
-            self._flush()
             counters.step_seconds += time.perf_counter() - t0
-            self._publish()
+            self._publish()  # before the hop, so that a woken consumer sees this step's numbers
+            self._flush()
 
     def _drain(self, block: bool) -> bool:
         """Run queued commands; False once shutdown is asked for."""
@@ -320,8 +321,8 @@ class DecodeLoop:
                 self._stopping = True
                 for conv in list(self._gens):
                     self._end(conv, "cancelled")
-                self._flush()
                 self._publish()
+                self._flush()
                 return False
             self._handle(command)
             try:
@@ -373,7 +374,7 @@ class DecodeLoop:
         if error is None:
             try:
                 sched.submit(conv)
-            except (AiollamaError, ValueError) as exc:
+            except AiollamaError as exc:
                 chain.close()
                 error = exc
         if error is not None:

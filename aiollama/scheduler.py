@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 
-from aiollama.errors import ContextFull
+from aiollama.errors import ContextFull, InvalidRequestError
 from aiollama.kvcache import KVCells, Span, cached
 
 # Sharing a prefix that is still being prefilled is worth waiting for only if it saves this much.
@@ -185,7 +185,7 @@ class Scheduler:
         if seq.phase is not Phase.IDLE:
             raise RuntimeError(f"conversation {conv} is already generating")
         if not seq.tokens:
-            raise ValueError("nothing to generate from: prompt the conversation first")
+            raise InvalidRequestError("nothing to generate from: prompt the conversation first")
         if len(seq.tokens) >= self.n_ctx:
             raise ContextFull(
                 f"the conversation holds {len(seq.tokens)} tokens; the context has {self.n_ctx}")

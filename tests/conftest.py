@@ -32,3 +32,8 @@ def tiny(tiny_path: Path) -> Iterator[Model]:
 def smollm2(smollm2_path: Path) -> Iterator[Model]:
     with Model(smollm2_path) as model:
         yield model
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

@@ -111,7 +111,7 @@ class Context(Handle):
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
-        params.n_ubatch = n_ubatch if n_ubatch is not None else n_batch
+        params.n_ubatch = n_ubatch if n_ubatch is not None else min(n_batch, 512)
         params.n_seq_max = n_seq_max
         params.n_threads = threads
         params.n_threads_batch = threads_batch

@@ -1,0 +1,394 @@
+"""The engine on real llama.cpp with the tiny model, on asyncio and trio."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import aiollama
+from aiollama import (
+    ContextFull,
+    ConversationClosed,
+    Engine,
+    EngineClosed,
+    EngineDead,
+    GrammarError,
+    InvalidRequestError,
+    InvalidTokenError,
+    Overloaded,
+    Statistics,
+)
+
+pytestmark = pytest.mark.anyio
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+async def engine(tiny_path: Path) -> AsyncIterator[Engine]:
+    async with Engine(tiny_path, n_ctx=2048, n_seq_max=8, n_batch=256, step_tokens=64) as e:
+        yield e
+
+
+async def wait_for(engine: Engine, pred: Callable[[Statistics], bool], timeout: float = 20.0) -> Statistics:
+    """Wait until the engine's published statistics satisfy ``pred``."""
+    with anyio.fail_after(timeout):
+        while True:
+            stats = engine.statistics()
+            if pred(stats):
+                return stats
+            await anyio.sleep(0.005)
+
+
+async def solo(tiny_path: Path, prompt: str, **params: Any) -> aiollama.Completion:
+    async with Engine(tiny_path, n_ctx=1024, n_seq_max=2, n_batch=256) as e, e.conversation(prompt) as conv:
+        return await conv.stream(**params)
+
+
+async def test_stream_text_matches_tokens(engine: Engine) -> None:
+    async with engine.conversation("The capital of France is") as conv:
+        chunks = [c async for c in conv.stream(max_tokens=20, **GREEDY)]
+    text = "".join(c.text for c in chunks)
+    tokens = [t for c in chunks for t in c.tokens]
+    assert len(tokens) == 20
+    assert chunks[-1].finish_reason == "length"
+    assert text == engine.detokenize(tokens)
+
+
+async def test_await_collects_and_history_continues(engine: Engine, tiny_path: Path) -> None:
+    async with engine.conversation("Once upon a time") as conv:
+        first = await conv.stream(max_tokens=6, **GREEDY)
+        second = await conv.stream(max_tokens=6, **GREEDY)
+    assert first.finish_reason == second.finish_reason == "length"
+    whole = await solo(tiny_path, "Once upon a time", max_tokens=12, **GREEDY)
+    assert first.tokens + second.tokens == whole.tokens
+
+
+async def test_prompt_appends_after_a_stream(engine: Engine) -> None:
+    async with engine.conversation("Hello") as conv:
+        await conv.stream(max_tokens=3, **GREEDY)
+        conv.prompt(" and then")
+        conv.prompt(engine.tokenize(" more"))
+        result = await conv.stream(max_tokens=3, **GREEDY)
+    assert len(result.tokens) == 3
+
+
+async def test_conversations_join_mid_flight(engine: Engine, tiny_path: Path) -> None:
+    prompts = ["The first story", "A second tale", "Third time lucky"]
+    late_prompt = "The late joiner says"
+    results: dict[str, aiollama.Completion] = {}
+
+    async def run(prompt: str) -> None:
+        async with engine.conversation(prompt) as conv:
+            results[prompt] = await conv.stream(max_tokens=40, **GREEDY)
+
+    async with anyio.create_task_group() as tg:
+        for p in prompts:
+            tg.start_soon(run, p)
+        await wait_for(engine, lambda s: s.tokens_generated >= 20)
+        tg.start_soon(run, late_prompt)
+    assert all(len(r.tokens) == 40 for r in results.values())
+    # Greedy output does not depend on the company it keeps, for this model and these shapes.
+    # (llama.cpp does not promise bit-identity across batch shapes; see the README.)
+    assert results[late_prompt].tokens == (await solo(tiny_path, late_prompt, max_tokens=40, **GREEDY)).tokens
+
+
+async def test_fork_shares_cells_and_both_branches_continue(engine: Engine) -> None:
+    prefix = " ".join(["the cat sat on the mat"] * 40)
+    async with engine.conversation(prefix) as parent:
+        await parent.stream(max_tokens=1, **GREEDY)
+        base = await wait_for(engine, lambda s: s.active == 0)
+        children = [parent.fork() for _ in range(3)]
+        outs = await _all(*(c.stream(max_tokens=10, temperature=1.0, seed=i) for i, c in enumerate(children)))
+        stats = engine.statistics()
+        assert all(len(o.tokens) == 10 for o in outs)
+        # the prefix is held once: three branches add their own tokens only
+        assert stats.kv_cells_used <= base.kv_cells_used + 3 * 11
+        assert stats.tokens_evaluated - base.tokens_evaluated <= 3 * 11
+        parent_more = await parent.stream(max_tokens=5, **GREEDY)
+        assert len(parent_more.tokens) == 5
+        for c in children:
+            await c.aclose()
+
+
+async def test_forks_of_an_unevaluated_prefix_evaluate_it_once(engine: Engine) -> None:
+    prefix = " ".join(["a shared system prompt"] * 60)
+    n_prefix = len(engine.tokenize(prefix))
+    async with engine.conversation(prefix) as parent:
+        children = [parent.fork() for _ in range(4)]
+        outs = await _all(*(c.stream(max_tokens=5, temperature=0.9, seed=i) for i, c in enumerate(children)))
+        assert all(len(o.tokens) == 5 for o in outs)
+        stats = engine.statistics()
+        assert stats.tokens_evaluated < n_prefix + 4 * 10
+        for c in children:
+            await c.aclose()
+
+
+async def _all(*streams: aiollama.Stream) -> list[aiollama.Completion]:
+    results: list[aiollama.Completion | None] = [None] * len(streams)
+
+    async def one(i: int) -> None:
+        results[i] = await streams[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(streams)):
+            tg.start_soon(one, i)
+    return [r for r in results if r is not None]
+
+
+async def test_eviction_and_preemption_in_a_tiny_context(tiny_path: Path) -> None:
+    prompts = [f"Story number {i} begins with a tale of" for i in range(6)]
+    async with Engine(tiny_path, n_ctx=256, n_seq_max=4, n_batch=256, step_tokens=64) as engine:
+        convs = [engine.conversation(p) for p in prompts]
+        outs = await _all(*(c.stream(max_tokens=60, **GREEDY) for c in convs))
+        stats = engine.statistics()
+        assert all(len(o.tokens) == 60 and o.finish_reason == "length" for o in outs)
+        assert stats.kv_cells_used <= 256
+        # six conversations of about 70 tokens never fit 256 cells at once: some were preempted
+        # or evicted and re-evaluated, which shows as extra evaluated tokens
+        assert stats.tokens_evaluated > sum(len(engine.tokenize(p)) for p in prompts) + 6 * 60
+        again = await convs[0].stream(max_tokens=5, **GREEDY)  # an evicted one comes back
+        assert len(again.tokens) == 5
+        for c in convs:
+            await c.aclose()
+        assert engine.statistics().kv_cells_used == 0
+
+
+async def test_overloaded(tiny_path: Path) -> None:
+    async with Engine(tiny_path, n_ctx=1024, n_seq_max=1, max_queued=2) as engine:
+        first = engine.conversation("hold the only seq id")
+        running = first.stream(max_tokens=100_000, **GREEDY)
+        await wait_for(engine, lambda s: s.active == 1)
+        waiting = [engine.conversation("wait"), engine.conversation("wait too")]
+        streams = [c.stream(max_tokens=2, **GREEDY) for c in waiting]
+        with pytest.raises(Overloaded):
+            engine.conversation("one too many").stream(max_tokens=2)
+        running.cancel()
+        assert (await running).finish_reason == "cancelled"
+        assert [len((await s).tokens) for s in streams] == [2, 2]
+        engine.conversation("room again").stream(max_tokens=1).cancel()
+
+
+async def test_utf8_streaming(engine: Engine) -> None:
+    async with engine.conversation("Say it:") as conv:
+        stream = conv.stream(max_tokens=40, grammar='root ::= "🦙 東京 🎉 é"', temperature=0.0)
+        chunks = [c async for c in stream]
+    assert all("\ufffd" not in c.text for c in chunks)
+    assert "".join(c.text for c in chunks) == "🦙 東京 🎉 é"
+    assert any(c.tokens and not c.text for c in chunks)  # some token ended inside a character
+    assert stream.finish_reason == "eog"
+
+
+async def test_stop_strings_across_tokens(engine: Engine) -> None:
+    async with engine.conversation("Say it:") as conv:
+        stream = conv.stream(max_tokens=40, grammar='root ::= "hello STOP world"', temperature=0.0,
+                             stop=["STOP"])
+        chunks = [c async for c in stream]
+    text = "".join(c.text for c in chunks)
+    assert text == "hello "
+    assert all("S" not in c.text for c in chunks)
+    assert stream.finish_reason == "stop"
+
+
+async def test_break_cancels_within_a_step(engine: Engine) -> None:
+    async with engine.conversation("Count forever:") as conv:
+        async for _ in conv.stream(max_tokens=100_000, **GREEDY):
+            break
+        await wait_for(engine, lambda s: s.active == 0)
+        # the conversation is usable again at once
+        assert len((await conv.stream(max_tokens=3, **GREEDY)).tokens) == 3
+
+
+async def test_task_cancellation_and_timeouts(engine: Engine) -> None:
+    conv = engine.conversation("A long story:")
+    with anyio.move_on_after(0.2):
+        await conv.stream(max_tokens=100_000, **GREEDY)
+    await wait_for(engine, lambda s: s.active == 0)
+
+    async with anyio.create_task_group() as tg:
+        async def consume() -> None:
+            async for _ in conv.stream(max_tokens=100_000, **GREEDY):
+                pass
+
+        tg.start_soon(consume)
+        await wait_for(engine, lambda s: s.active == 1)
+        tg.cancel_scope.cancel()
+    await wait_for(engine, lambda s: s.active == 0 and s.queued == 0)
+    await conv.aclose()
+
+
+async def test_cancel_interrupts_a_long_prefill(tiny_path: Path) -> None:
+    async with Engine(tiny_path, n_ctx=8192, n_seq_max=2, n_batch=8192, step_tokens=8192) as engine:
+        prompt = engine.tokenize(" ".join(["words to prefill"] * 1900))
+        conv = engine.conversation(prompt)
+        stream = conv.stream(max_tokens=4, **GREEDY)
+        await wait_for(engine, lambda s: s.active == 1)
+        await anyio.sleep(0.05)  # let the decode start; a cancel before it also passes the test
+        stream.cancel()
+        result = await stream
+        assert result.finish_reason == "cancelled"
+        stats = await wait_for(engine, lambda s: s.active == 0)
+        assert stats.kv_cells_used < len(prompt)  # the interrupted ubatch was rolled back
+        other = await engine.conversation("still serving").stream(max_tokens=3, **GREEDY)
+        assert len(other.tokens) == 3
+        await conv.aclose()
+        assert engine.statistics().kv_cells_used <= len(engine.tokenize("still serving")) + 3
+
+
+async def test_aclose_frees_cells_and_seq_ids(engine: Engine) -> None:
+    convs = [engine.conversation(f"conversation {i}") for i in range(5)]
+    await _all(*(c.stream(max_tokens=4, **GREEDY) for c in convs))
+    assert engine.statistics().kv_cells_used > 0
+    for c in convs:
+        await c.aclose()
+        await c.aclose()
+    stats = engine.statistics()
+    assert (stats.live, stats.active, stats.queued, stats.kv_cells_used, stats.seq_ids_used) == (0, 0, 0, 0, 0)
+    with pytest.raises(ConversationClosed):
+        convs[0].prompt("closed")
+    with pytest.raises(ConversationClosed):
+        convs[0].stream()
+
+
+async def test_generate_parallel(engine: Engine) -> None:
+    prompts = ["One", "Two", "Three", "Four"]
+    a = await engine.generate_parallel(prompts, max_tokens=8, temperature=0.9, seed=7)
+    b = await engine.generate_parallel(prompts, max_tokens=8, temperature=0.9, seed=7)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert len({tuple(r.tokens) for r in a}) > 1
+    assert engine.statistics().live == 0
+
+
+async def test_context_full(tiny_path: Path) -> None:
+    async with Engine(tiny_path, n_ctx=256, n_seq_max=2) as engine:
+        long = engine.conversation(" ".join(["too long"] * 200))
+        with pytest.raises(ContextFull):
+            await long.stream(max_tokens=5)
+        prompt = list(range(100, 110))
+        edge = engine.conversation(prompt)
+        result = await edge.stream(max_tokens=1000, **GREEDY)
+        assert result.finish_reason == "length"
+        assert len(result.tokens) == 256 - len(prompt)  # the context's last cell holds the last token
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"typical_p": 0}, "typical_p"),
+        ({"repeat_penalty": 0}, "repeat_penalty"),
+        ({"frequency_penalty": "x"}, "frequency_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"penalty_last_n": -2}, "penalty_last_n"),
+        ({"seed": -5}, "seed"),
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
+        ({"grammar": ""}, "grammar"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+async def test_invalid_parameters_name_the_field(engine: Engine, params: dict[str, Any], field: str) -> None:
+    conv = engine.conversation("x")
+    with pytest.raises(ValueError, match=field):
+        conv.stream(**params)
+    await conv.aclose()
+
+
+async def test_invalid_prompts_and_grammar(engine: Engine) -> None:
+    async with engine.conversation() as conv:
+        with pytest.raises(InvalidTokenError):
+            conv.prompt([1, 2, 10**9])
+        with pytest.raises(InvalidRequestError):
+            conv.prompt(b"bytes")  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="prompt"):
+            await conv.stream(max_tokens=2)  # nothing to continue from
+        conv.prompt("fine")
+        with pytest.raises(GrammarError):
+            await conv.stream(grammar="root ::= (")
+        assert len((await conv.stream(max_tokens=2, **GREEDY)).tokens) == 2
+        with pytest.raises(InvalidRequestError, match="already generating"):
+            first = conv.stream(max_tokens=50, **GREEDY)
+            await conv.stream(max_tokens=2)
+        await first
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"n_ctx": 0}, {"n_seq_max": 300}, {"n_batch": -1}, {"n_threads": 0}, {"step_tokens": 0},
+               {"max_queued": -1}, {"n_ctx": "big"}]
+)
+def test_invalid_engine_parameters(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequestError, match=next(iter(kwargs))):
+        Engine("unused.gguf", **kwargs)
+
+
+async def test_closed_engine_raises(tiny_path: Path) -> None:
+    engine = Engine(tiny_path, n_ctx=256)
+    with pytest.raises(EngineClosed):
+        engine.conversation()
+    async with engine:
+        conv = engine.conversation("hi")
+    with pytest.raises(EngineClosed):
+        engine.conversation()
+    with pytest.raises(EngineClosed):
+        conv.prompt("more")
+    with pytest.raises(EngineClosed):
+        engine.tokenize("x")
+    await conv.aclose()  # closing after the engine is a no-op
+    await engine.aclose()
+
+
+async def test_missing_model_raises_on_start(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        async with Engine(tmp_path / "missing.gguf"):
+            pass
+
+
+async def test_fatal_decode_error_reaches_every_stream(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiollama.native import Context
+
+    async with Engine(tiny_path, n_ctx=512, n_seq_max=4) as engine:
+        convs = [engine.conversation(f"doomed {i}") for i in range(3)]
+        streams = [c.stream(max_tokens=100_000, **GREEDY) for c in convs]
+        await wait_for(engine, lambda s: s.active == 3)
+
+        def broken(self: Context, batch: object) -> object:
+            raise RuntimeError("simulated backend failure")
+
+        monkeypatch.setattr(Context, "decode", broken)
+        for s in streams:
+            with pytest.raises(EngineDead, match="simulated"):
+                await s
+        with pytest.raises(EngineDead):
+            engine.conversation("after")
+
+
+async def test_event_loop_runs_during_a_long_prefill(tiny_path: Path) -> None:
+    ticks = 0
+    async with Engine(tiny_path, n_ctx=8192, n_seq_max=2, n_batch=4096, step_tokens=4096) as engine:
+        conv = engine.conversation(" ".join(["prefill me"] * 1300))
+        stream = conv.stream(max_tokens=1, **GREEDY)
+        done = anyio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await anyio.sleep(0)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await stream
+            done.set()
+        await conv.aclose()
+    assert ticks > 100
