@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -187,6 +187,9 @@ class SyncStream(_StreamBase):
         self.close()
 
 
+_C = TypeVar("_C", bound="_ConversationBase")
+
+
 class _ConversationBase:
     def __init__(self, core: EngineCore, conv_id: int, *, fresh: bool) -> None:
         self._core = core
@@ -220,8 +223,15 @@ class _ConversationBase:
             self._fresh = False
             self._core.send(Prompt(self.id, tuple(tokens)))
 
-    def _fork_into(self, child: _ConversationBase) -> None:
+    def fork(self: _C) -> _C:
+        """A new conversation with this one's history, sharing its KV prefix. Never blocks.
+
+        Forking while a stream runs branches at the decode thread's current position.
+        """
+        self._check()
+        child = type(self)(self._core, self._core.new_id(), fresh=self._fresh)
         self._core.send(Fork(self.id, child.id))
+        return child
 
     def _start(self, params: dict[str, Any], sink: AsyncSink | ThreadSink) -> None:
         self._check()
@@ -234,6 +244,16 @@ class _ConversationBase:
         except BaseException:
             admission.leave()
             raise
+
+    def _close_command(self, ack: AsyncSink | ThreadSink) -> bool:
+        """Mark closed and ask the decode thread to free everything; False if nothing to wait for."""
+        if self._closed:
+            return False
+        self._closed = True
+        if not self._core.usable:
+            return False
+        self._core.send(Close(self.id, ack))
+        return True
 
     def _cancel(self) -> None:
         if not self._closed and self._core.usable:
@@ -250,13 +270,6 @@ class _ConversationBase:
 
 class Conversation(_ConversationBase):
     """A conversation for async code (asyncio or trio). Create it with ``Engine.conversation()``."""
-
-    def fork(self) -> Conversation:
-        """A new conversation with this one's history, sharing its KV prefix. Never blocks."""
-        self._check()
-        child = Conversation(self._core, self._core.new_id(), fresh=self._fresh)
-        self._fork_into(child)
-        return child
 
     def stream(self, **params: Any) -> Stream:
         """Start generating; returns a :class:`Stream` to iterate or await.
@@ -278,15 +291,10 @@ class Conversation(_ConversationBase):
 
     async def aclose(self) -> None:
         """End any generation and free the conversation's seq id and KV cells. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self._core.usable:
-            return
         sink = AsyncSink(current_portal())
-        self._core.send(Close(self.id, sink))
-        with anyio.CancelScope(shield=True):
-            await sink.get()
+        if self._close_command(sink):
+            with anyio.CancelScope(shield=True):
+                await sink.get()
 
     async def __aenter__(self) -> Conversation:
         return self
@@ -299,12 +307,6 @@ class Conversation(_ConversationBase):
 class SyncConversation(_ConversationBase):
     """A conversation for code on plain threads. Create it with ``SyncEngine.conversation()``."""
 
-    def fork(self) -> SyncConversation:
-        self._check()
-        child = SyncConversation(self._core, self._core.new_id(), fresh=self._fresh)
-        self._fork_into(child)
-        return child
-
     def stream(self, **params: Any) -> SyncStream:
         """Start generating; iterate the result, or call ``result()``. See ``Conversation.stream``."""
         sink = ThreadSink()
@@ -313,14 +315,9 @@ class SyncConversation(_ConversationBase):
 
     def close(self) -> None:
         """End any generation and free the conversation's seq id and KV cells. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self._core.usable:
-            return
         sink = ThreadSink()
-        self._core.send(Close(self.id, sink))
-        sink.get()
+        if self._close_command(sink):
+            sink.get()
 
     def __enter__(self) -> SyncConversation:
         return self

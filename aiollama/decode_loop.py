@@ -14,6 +14,7 @@ A fatal error reaches every waiting stream as ``EngineDead``; it never becomes a
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import queue
 import threading
 import time
@@ -405,6 +406,7 @@ class DecodeLoop:
         self._counters.tokens_generated += 1
         self.scheduler.add_token(conv, token)
         finish: str | None = None
+        tokens: tuple[int, ...]
         if vocab.is_eog(token) and not gen.params.ignore_eos:
             text, tokens, finish = gen.text.finish(), (), "eog"
         else:
@@ -442,13 +444,11 @@ class DecodeLoop:
 
     def _publish(self) -> None:
         c = self.scheduler.counts()
-        k = self._counters
         self.statistics = Statistics(
             live=c.live, active=c.active, queued=c.queued, kv_cells_used=c.kv_cells_used,
             kv_cells_total=c.kv_cells_total, seq_ids_used=c.seq_ids_used,
             n_seq_max=self.config.n_seq_max if self._ctx is None else self._ctx.n_seq_max,
-            tokens_evaluated=k.tokens_evaluated, tokens_generated=k.tokens_generated,
-            decode_steps=k.decode_steps, aborted_steps=k.aborted_steps, decode_seconds=k.decode_seconds, step_seconds=k.step_seconds)
+            **dataclasses.asdict(self._counters))
 
     def _die(self, exc: BaseException) -> None:
         dead = EngineDead(f"the decode thread failed: {exc!r}")

@@ -89,7 +89,7 @@ class EngineCore:
             raise InvalidRequestError(f"a prompt is text or a sequence of token ids, got {type(content).__name__}")
         self.check()
         assert self.vocab is not None
-        return [self.vocab.check_token(t) for t in content]
+        return [self.vocab.check_token(t) for t in content]  # type: ignore[arg-type]
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         self.check()

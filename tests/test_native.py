@@ -23,6 +23,7 @@ from aiollama.errors import (
 )
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus
 from aiollama.native.binding import set_log_level
+from helpers import first_greedy_tokens
 
 
 @pytest.fixture
@@ -124,21 +125,7 @@ def test_decode_and_greedy_sample(ctx: Context, batch: Batch) -> None:
 def test_two_sequences_in_one_decode_match_each_alone(tiny: Model) -> None:
     vocab = tiny.vocab
     prompts = [vocab.tokenize("The quick brown fox"), vocab.tokenize("Once upon a time, in a land")]
-
-    def first_tokens(together: bool) -> list[int]:
-        with Context(tiny, n_ctx=256, n_batch=64, n_seq_max=2) as ctx, Batch(64) as b, \
-                SamplerChain(vocab) as greedy:
-            greedy.add_greedy()
-            if together:
-                rows = [b.add_tokens(p, 0, s, output_last=True) for s, p in enumerate(prompts)]
-                assert ctx.decode(b) is DecodeStatus.OK
-                return [greedy.sample(ctx, r) for r in rows]
-            out = []
-            for s, p in enumerate(prompts):
-                out.append(greedy.sample(ctx, prefill(ctx, b, p, seq_id=s)))
-            return out
-
-    assert first_tokens(together=True) == first_tokens(together=False)
+    assert first_greedy_tokens(tiny, prompts, together=True) == first_greedy_tokens(tiny, prompts, together=False)
 
 
 def test_seq_cp_shares_cells_in_unified_cache(tiny: Model) -> None:

@@ -21,7 +21,7 @@ def test_ci_runs_the_readme_test_command() -> None:
     commands = readme_commands()
     assert len(commands) >= 2, "the README opens with the demo command and the test command"
     demo, test = commands[0], commands[1]
-    assert "demo" in demo and "pytest" in test
+    assert "examples/" in demo and "pytest" in test
     assert test in (ROOT / ".ci" / "run").read_text()
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain
+from helpers import first_greedy_tokens
 
 pytestmark = pytest.mark.smollm2
 
@@ -38,24 +40,8 @@ def test_batched_first_tokens_match_solo(smollm2: Model) -> None:
     prompts = ["The capital of France is", "My favourite colour is", "1, 2, 3, 4,"]
     encoded = [vocab.tokenize(p, add_special=True) for p in prompts]
 
-    def first_tokens(together: bool) -> list[int]:
-        with Context(smollm2, n_ctx=512, n_batch=64, n_seq_max=3) as ctx, Batch(64) as b, \
-                SamplerChain(vocab) as greedy:
-            greedy.add_greedy()
-            if together:
-                rows = [b.add_tokens(t, 0, s, output_last=True) for s, t in enumerate(encoded)]
-                assert ctx.decode(b) is DecodeStatus.OK
-                return [greedy.sample(ctx, r) for r in rows]
-            out = []
-            for s, t in enumerate(encoded):
-                b.clear()
-                row = b.add_tokens(t, 0, s, output_last=True)
-                assert ctx.decode(b) is DecodeStatus.OK
-                out.append(greedy.sample(ctx, row))
-            return out
-
-    solo = first_tokens(together=False)
-    assert first_tokens(together=True) == solo
+    solo = first_greedy_tokens(smollm2, encoded, together=False)
+    assert first_greedy_tokens(smollm2, encoded, together=True) == solo
     assert vocab.detokenize(solo[:1]) == " Paris"
 
 
@@ -64,3 +50,19 @@ def test_model_chat_template(smollm2: Model) -> None:
     assert template and "<|im_start|>" in template
     text = smollm2.vocab.apply_chat_template([{"role": "user", "content": "Hello"}])
     assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.anyio
+async def test_engine_greedy_paris(smollm2_path: object) -> None:
+    import aiollama
+
+    async with aiollama.Engine(smollm2_path, n_ctx=1024, n_seq_max=4) as engine:  # type: ignore[arg-type]
+        others = [engine.conversation(p) for p in ("Once upon a time", "def main():", "Dear Sir,")]
+        streams = [c.stream(max_tokens=16, temperature=0.8, seed=i) for i, c in enumerate(others)]
+        async with engine.conversation("The capital of France is") as conv:
+            completion = await conv.stream(max_tokens=8, temperature=0.0)
+        for s in streams:
+            await s
+        for c in others:
+            await c.aclose()
+    assert completion.text.startswith(" Paris")

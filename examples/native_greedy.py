@@ -1,7 +1,7 @@
-"""Print a model's greedy continuation of a prompt.
+"""Print a model's greedy continuation of a prompt, driving the native layer by hand.
 
-    python examples/demo.py                              # SmolLM2, "The capital of France is"
-    python examples/demo.py MODEL.gguf "Once upon a time"
+    python examples/native_greedy.py                     # SmolLM2, "The capital of France is"
+    python examples/native_greedy.py MODEL.gguf "Once upon a time"
 """
 
 from __future__ import annotations
