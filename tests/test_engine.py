@@ -152,6 +152,9 @@ async def test_eviction_and_preemption_in_a_tiny_context(tiny_path: Path) -> Non
         # six conversations of about 70 tokens never fit 256 cells at once: some were preempted
         # or evicted and re-evaluated, which shows as extra evaluated tokens
         assert stats.tokens_evaluated > sum(len(engine.tokenize(p)) for p in prompts) + 6 * 60
+        # preempted and re-evaluated conversations produce what they produce alone
+        for prompt, out in list(zip(prompts, outs))[:3]:
+            assert out.tokens == (await solo(tiny_path, prompt, max_tokens=60, **GREEDY)).tokens
         again = await convs[0].stream(max_tokens=5, **GREEDY)  # an evicted one comes back
         assert len(again.tokens) == 5
         for c in convs:
@@ -392,3 +395,20 @@ async def test_event_loop_runs_during_a_long_prefill(tiny_path: Path) -> None:
             done.set()
         await conv.aclose()
     assert ticks > 100
+
+
+async def test_fork_while_streaming_branches_at_the_current_position(engine: Engine) -> None:
+    async with engine.conversation("A branching story:") as parent:
+        stream = parent.stream(max_tokens=30, **GREEDY)
+        seen = 0
+        async for chunk in stream:
+            seen += len(chunk.tokens)
+            if seen >= 5:
+                break_point = seen
+                child = parent.fork()
+                break
+        await stream.aclose()
+        assert stream.finish_reason == "cancelled"
+        async with child:
+            more = await child.stream(max_tokens=5, **GREEDY)
+        assert len(more.tokens) == 5 and break_point >= 5
