@@ -249,8 +249,12 @@ class Scheduler:
         self._admit()
         rows = self._rows()
         rows = self._fit(rows)
+        return Plan(self.take_ops(), tuple(rows))
+
+    def take_ops(self) -> tuple[Op, ...]:
+        """KV operations decided since the last plan (they also lead the next plan)."""
         ops, self._ops = tuple(self._ops), []
-        return Plan(ops, tuple(rows))
+        return ops
 
     def counts(self) -> Counts:
         return Counts(
