@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -127,6 +128,14 @@ class _EngineBase:
         self._params = dict(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
                             n_gpu_layers=n_gpu_layers, step_tokens=step_tokens, max_queued=max_queued)
         self._core: EngineCore | None = None
+
+    def __del__(self) -> None:
+        core = getattr(self, "_core", None)
+        if core is not None and not core.closed:
+            warnings.warn("unclosed aiollama engine: use 'async with' / 'with', or close it",
+                          ResourceWarning, source=self, stacklevel=2)
+            core.closed = True
+            core.loop.shutdown(timeout=0)  # asks the decode thread to stop; does not wait
 
     def _start(self) -> None:
         if self._core is not None:

@@ -412,3 +412,16 @@ async def test_fork_while_streaming_branches_at_the_current_position(engine: Eng
         async with child:
             more = await child.stream(max_tokens=5, **GREEDY)
         assert len(more.tokens) == 5 and break_point >= 5
+
+
+async def test_a_forgotten_engine_warns_and_stops(tiny_path: Path) -> None:
+    import gc
+
+    engine = Engine(tiny_path, n_ctx=256)
+    await engine.start()
+    loop = engine.core.loop
+    with pytest.warns(ResourceWarning, match="unclosed aiollama engine"):
+        del engine
+        gc.collect()
+    await anyio.to_thread.run_sync(loop.join, 30)
+    assert not loop.alive
