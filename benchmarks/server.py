@@ -1,0 +1,96 @@
+"""llama-server as a contender: start it on loopback, stream completions from it, stop it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+import anyio
+import httpx
+
+from common import StreamTiming
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LlamaServer:
+    """``llama-server -np N -kvu`` with explicit threads, on 127.0.0.1, for one scenario.
+
+    Batch sizes stay at the server's defaults (n_batch 2048, n_ubatch 512): the reference as its
+    users run it.
+    """
+
+    def __init__(self, binary: Path, model: Path, *, n_parallel: int, n_ctx: int, threads: int) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [
+            str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "-np", str(n_parallel), "-kvu", "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads), "--no-webui", "--log-disable",
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> LlamaServer:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"llama-server exited: {err[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("llama-server did not become healthy in 120 s")
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, prompt: list[int], n_predict: int,
+                            seed: int, timing: StreamTiming) -> None:
+    """One streaming /completion; records the arrival time of every token."""
+    body = {"prompt": prompt, "n_predict": n_predict, "stream": True, "ignore_eos": True,
+            "temperature": 0.7, "seed": seed, "cache_prompt": False, "return_tokens": True}
+    async with client.stream("POST", url + "/completion", json=body, timeout=None) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            now = time.perf_counter()
+            tokens = event.get("tokens") or []
+            if tokens:
+                timing.arrivals.extend([now] * len(tokens))
+            elif event.get("content") and not event.get("stop"):
+                timing.arrivals.append(now)
+            if event.get("stop"):
+                break
+
+
+async def run_clients(url: str, prompts: list[list[int]], n_predict: int) -> list[StreamTiming]:
+    """N concurrent streaming clients, one per prompt."""
+    timings = [StreamTiming(0.0) for _ in prompts]
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        async with anyio.create_task_group() as tg:
+            for i, prompt in enumerate(prompts):
+                timings[i].start = time.perf_counter()
+                tg.start_soon(stream_completion, client, url, prompt, n_predict, i, timings[i])
+    return timings
