@@ -14,17 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from aiollama.models import cache_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "b11434"
 TARGETS = ("llama-batched-bench", "llama-server")
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("AIOLLAMA_CACHE")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "aiollama"
 
 
 def source_dir() -> Path:
