@@ -142,8 +142,12 @@ class _EngineBase:
             raise RuntimeError("the engine was already started")
         path = self._model_path if self._model_path is not None else default_model()
         core = EngineCore(EngineConfig(model_path=path, **self._params))  # type: ignore[arg-type]
+        try:
+            core.start()
+        except BaseException:
+            core.close()  # the decode thread has already ended; nothing stays open
+            raise
         self._core = core
-        core.start()
 
     @property
     def core(self) -> EngineCore:
