@@ -320,8 +320,9 @@ class DecodeLoop:
         while True:
             if isinstance(command, Shutdown):
                 self._stopping = True
+                closed = EngineClosed("the engine was closed while this stream ran")
                 for conv in list(self._gens):
-                    self._end(conv, "cancelled")
+                    self._end(conv, "cancelled", Delta(error=closed))
                 self._publish()
                 self._flush()
                 return False

@@ -184,8 +184,8 @@ class Engine(_EngineBase):
     """Serves many concurrent conversations from one llama.cpp context, for asyncio and trio.
 
     ``async with Engine(path, ...) as engine`` loads the model (``path`` None means the default
-    model, fetched on first use) and starts the decode thread; leaving the block cancels running
-    generations and frees everything. ``step_tokens`` is the per-step token budget: decode rows of
+    model, fetched on first use) and starts the decode thread; leaving the block ends running
+    generations (their streams raise ``EngineClosed``) and frees everything. ``step_tokens`` is the per-step token budget: decode rows of
     running streams go first, prompt chunks share the rest, so a long prompt never stalls streams.
     ``max_queued`` bounds the generations waiting for a seq id; beyond it ``stream()`` raises
     ``Overloaded``.
