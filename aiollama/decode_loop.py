@@ -51,6 +51,9 @@ from aiollama.scheduler import Copy, Phase, Plan, Remove, Scheduler
 from aiollama.text import TextAssembler
 
 
+MAX_NO_SLOT_RETRIES = 16
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: Path
@@ -265,6 +268,7 @@ class DecodeLoop:
     def _loop(self, ctx: Context, batch: Batch) -> None:
         sched = self.scheduler
         counters = self._counters
+        no_slot_streak = 0
         while True:
             if not self._drain(block=not sched.busy):
                 return
@@ -292,13 +296,17 @@ class DecodeLoop:
             counters.decode_steps += 1
             counters.decode_seconds += t2 - t1
             if status is DecodeStatus.OK:
+                no_slot_streak = 0
                 sched.commit(plan)
                 counters.tokens_evaluated += plan.n_tokens
                 for conv, index in outputs:
                     self._sample(ctx, conv, index)
             elif status is DecodeStatus.NO_KV_SLOT:
-                if not sched.make_room():
-                    raise DecodeError("llama.cpp found no KV slot and nothing can be evicted")
+                # Planning keeps batches within the free cells, so this is rare: free cells by
+                # force and retry; give up only if it keeps happening with nothing left to free.
+                no_slot_streak = 0 if sched.make_room() else no_slot_streak + 1
+                if no_slot_streak > MAX_NO_SLOT_RETRIES:
+                    raise DecodeError("llama.cpp keeps finding no KV slot and nothing can be freed")
             elif status is DecodeStatus.ABORTED or status.is_fatal:
                 counters.aborted_steps += status is DecodeStatus.ABORTED
                 for row in plan.rows:

@@ -449,3 +449,36 @@ async def test_plain_text_never_becomes_control_tokens(engine: Engine) -> None:
     assert sum(vocab.is_control(t) for t in special) == 2
     # prompt() goes through the same path: special tokens only when asked for
     assert engine.core.encode(text, first=False, special=False) == plain
+
+
+@pytest.mark.parametrize("code", [1, 2])  # NO_KV_SLOT, ABORTED
+async def test_recoverable_decode_codes_are_absorbed(tiny_path: Path, code: int) -> None:
+    prompts = ["First of three", "Second of three", "Third of three"]
+    expected = [(await solo(tiny_path, p, max_tokens=12, **GREEDY)).tokens for p in prompts]
+    async with Engine(tiny_path, n_ctx=1024, n_seq_max=4) as engine:
+        ctx = engine.core.loop._ctx
+        assert ctx is not None
+        calls = 0
+
+        def hook(batch: object) -> int | None:
+            nonlocal calls
+            calls += 1
+            return code if calls % 3 == 0 else None  # every third decode fails
+
+        ctx.fault_hook = hook
+        outs = await _all(*(engine.conversation(p).stream(max_tokens=12, **GREEDY) for p in prompts))
+        ctx.fault_hook = None
+    assert calls >= 12
+    assert [o.tokens for o in outs] == expected
+
+
+async def test_fatal_decode_code_reaches_every_stream(tiny_path: Path) -> None:
+    async with Engine(tiny_path, n_ctx=1024, n_seq_max=4) as engine:
+        streams = [engine.conversation(f"doomed {i}").stream(max_tokens=100, **GREEDY) for i in range(3)]
+        await wait_for(engine, lambda s: s.active == 3)
+        ctx = engine.core.loop._ctx
+        assert ctx is not None
+        ctx.fault_hook = lambda batch: -3  # COMPUTE_FAILED
+        for s in streams:
+            with anyio.fail_after(20), pytest.raises(EngineDead, match="COMPUTE_FAILED"):
+                await s

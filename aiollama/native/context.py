@@ -7,6 +7,7 @@ A context belongs to one thread at a time: llama.cpp does no locking inside it. 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,9 @@ class Context(Handle):
         self.kv_unified = kv_unified
         self.n_vocab = self.vocab.n_tokens
         self._outputs: frozenset[int] = frozenset()
+        # Test hook: when set, called with each batch; a non-None return is used as llama_decode's
+        # return code instead of decoding (fault injection for the engine's recovery paths).
+        self.fault_hook: Callable[[Batch], int | None] | None = None
 
     def _free(self, ptr: Any) -> None:
         self._outputs = frozenset()
@@ -222,6 +226,9 @@ class Context(Handle):
         self._check_batch(batch)
         self._outputs = frozenset()
         c.n_tokens = batch.n_tokens
+        injected = self.fault_hook(batch) if self.fault_hook is not None else None
+        if injected is not None:
+            return DecodeStatus(injected)  # a test fault: nothing was decoded, memory untouched
         status = DecodeStatus(lib.llama_decode(ptr, c))
         if status is DecodeStatus.OK:
             self._outputs = frozenset(batch.outputs)
