@@ -192,7 +192,6 @@ class DecodeLoop:
         self._deferred: dict[int, list[tuple[int, ...]]] = defaultdict(list)
         self._out: dict[Portal, list[tuple[Sink, Delta]]] = {}
         self._counters = _Counters()
-        self._stopping = False
 
     # caller side (any thread)
 
@@ -327,7 +326,6 @@ class DecodeLoop:
             return True
         while True:
             if isinstance(command, Shutdown):
-                self._stopping = True
                 closed = EngineClosed("the engine was closed while this stream ran")
                 for conv in list(self._gens):
                     self._end(conv, "cancelled", Delta(error=closed))
