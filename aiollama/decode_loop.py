@@ -14,7 +14,6 @@ A fatal error reaches every waiting stream as ``EngineDead``; it never becomes a
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import queue
 import threading
 import time
@@ -455,7 +454,7 @@ class DecodeLoop:
             live=c.live, active=c.active, queued=c.queued, kv_cells_used=c.kv_cells_used,
             kv_cells_total=c.kv_cells_total, seq_ids_used=c.seq_ids_used,
             n_seq_max=self.config.n_seq_max if self._ctx is None else self._ctx.n_seq_max,
-            **dataclasses.asdict(self._counters))
+            **vars(self._counters))  # a flat copy; asdict would deep-copy every step
 
     def _die(self, exc: BaseException) -> None:
         dead = EngineDead(f"the decode thread failed: {exc!r}")

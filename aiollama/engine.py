@@ -7,10 +7,11 @@ caller gets a context of its own.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -69,18 +70,24 @@ class EngineCore:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def tokenize(self, text: str, *, add_special: bool, special: bool) -> list[int]:
+    @contextlib.contextmanager
+    def _pinned_vocab(self) -> Iterator[Vocab]:
+        """The vocab, with the model pinned: the decode thread may close it meanwhile."""
         self.check()
         assert self.vocab is not None
         model = self.vocab._model
         try:
-            model._acquire_native()  # the decode thread may close the model meanwhile
+            model._acquire_native()
         except ClosedError:
             raise EngineClosed("the engine is closed") from None
         try:
-            return self.vocab.tokenize(text, add_special=add_special, parse_special=special)
+            yield self.vocab
         finally:
             model._release()
+
+    def tokenize(self, text: str, *, add_special: bool, special: bool) -> list[int]:
+        with self._pinned_vocab() as vocab:
+            return vocab.tokenize(text, add_special=add_special, parse_special=special)
 
     def encode(self, content: str | Sequence[int], *, first: bool, special: bool) -> list[int]:
         """Token ids for a prompt: text is tokenized (BOS on the first prompt), ids are checked."""
@@ -93,14 +100,8 @@ class EngineCore:
         return [self.vocab.check_token(t) for t in content]  # type: ignore[arg-type]
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        self.check()
-        assert self.vocab is not None
-        model = self.vocab._model
-        model._acquire_native()
-        try:
-            return self.vocab.detokenize(tokens)
-        finally:
-            model._release()
+        with self._pinned_vocab() as vocab:
+            return vocab.detokenize(tokens)
 
 
 class _EngineBase:

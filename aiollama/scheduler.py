@@ -150,7 +150,6 @@ class Scheduler:
         self._holders: dict[int, Sequence] = {}  # seq id -> sequence holding it
         self._ops: list[Op] = []
         self._clock = itertools.count(1)  # orders uses (LRU) and admissions (newest is preempted)
-        self._order = self._clock
         self._rr = 0
 
     # what the decode thread tells it
@@ -231,7 +230,7 @@ class Scheduler:
 
     def make_room(self) -> bool:
         """llama.cpp found no KV slot although the plan fit: free cells by force. False if it cannot."""
-        victim = self._lru_idle(lambda s: s.kv is not None)
+        victim = self._lru_idle(holding_cells=True)
         if victim is not None:
             self._drop(victim)
             return True
@@ -283,10 +282,11 @@ class Scheduler:
         seq.kv = None
         seq.seq_id = None
 
-    def _lru_idle(self, pred: object = None) -> Sequence | None:
+    def _lru_idle(self, holding_cells: bool = False) -> Sequence | None:
+        """The least recently used idle sequence holding a seq id (and cells, if asked)."""
         best: Sequence | None = None
         for seq in self._holders.values():
-            if seq.phase is Phase.IDLE and (pred is None or pred(seq)):  # type: ignore[operator]
+            if seq.phase is Phase.IDLE and (not holding_cells or seq.kv is not None):
                 if best is None or seq.last_used < best.last_used:
                     best = seq
         return best
@@ -310,7 +310,7 @@ class Scheduler:
                 self._holders[sid] = seq
             self._waiting.popleft()
             seq.phase = Phase.RUNNING
-            seq.started = next(self._order)
+            seq.started = self._tick()
             self._running.append(seq)
             if seq.pending <= 0:
                 # everything is cached, but sampling needs the last token's logits: evaluate it again
@@ -396,7 +396,7 @@ class Scheduler:
             return sum(len(r.tokens) for r in rows)
 
         while need() > self.cells.free:
-            victim = self._lru_idle(lambda s: s.kv is not None)
+            victim = self._lru_idle(holding_cells=True)
             if victim is None:
                 break
             self._drop(victim)
