@@ -35,6 +35,7 @@ _EXPORTS = {
     "AiollamaError": "aiollama.errors",
     "ClosedError": "aiollama.errors",
     "ContextFull": "aiollama.errors",
+    "ConversationBusy": "aiollama.errors",
     "ConversationClosed": "aiollama.errors",
     "DecodeError": "aiollama.errors",
     "EngineClosed": "aiollama.errors",
@@ -47,6 +48,7 @@ _EXPORTS = {
     "InvalidTokenError": "aiollama.errors",
     "ModelLoadError": "aiollama.errors",
     "Overloaded": "aiollama.errors",
+    "WrongEventLoop": "aiollama.errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -73,6 +75,7 @@ if TYPE_CHECKING:
         AiollamaError,
         ClosedError,
         ContextFull,
+        ConversationBusy,
         ConversationClosed,
         DecodeError,
         EngineClosed,
@@ -85,6 +88,7 @@ if TYPE_CHECKING:
         InvalidTokenError,
         ModelLoadError,
         Overloaded,
+        WrongEventLoop,
     )
     from aiollama.models import cache_dir, default_model, pull
     from aiollama.sampling import SamplingParams

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiollama.sampling import SamplingParams
 
@@ -26,10 +26,13 @@ class Delta:
 class Portal(Protocol):
     """Runs a callback in the consumer's context (its event loop, or at once for threads).
 
-    ``send`` never blocks the decode thread.
+    ``send`` never blocks the decode thread; it returns False when nobody can receive any more (the
+    event loop is closed). ``owner`` is the event loop (or trio token) it delivers into.
     """
 
-    def send(self, callback: Callable[[], None]) -> None: ...
+    owner: Any
+
+    def send(self, callback: Callable[[], None]) -> bool: ...
 
 
 class Sink(Protocol):

@@ -12,6 +12,7 @@ Prompting a conversation while it streams appends after that generation ends.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 
 from aiollama.commands import Cancel, Close, Delta, Fork, Generate, Prompt
-from aiollama.errors import ConversationClosed, Overloaded
-from aiollama.portal import AsyncSink, ThreadSink, current_portal
+from aiollama.errors import ContextFull, ConversationBusy, ConversationClosed, InvalidRequestError, Overloaded
+from aiollama.portal import AsyncSink, ThreadSink
 from aiollama.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -79,15 +80,22 @@ class _StreamBase:
     def __init__(self, conv: _ConversationBase) -> None:
         self._conv = conv
         self._result = _Collector()
+        self._cancelled = False
 
     def cancel(self) -> None:
         """Ask the engine to end this generation; the stream then finishes with "cancelled"."""
         if not self._result.done:
+            self._cancelled = True
             self._conv._cancel()
+
+    @property
+    def _running(self) -> bool:
+        return not self._result.done and not self._cancelled
 
     def _abandon(self) -> None:
         if not self._result.done:
             self._result.finish_reason = "cancelled"
+            self._cancelled = True
             self._conv._cancel()
 
     @property
@@ -196,6 +204,7 @@ class _ConversationBase:
         self.id = conv_id
         self._fresh = fresh  # no token yet: the first text prompt gets BOS if the model wants it
         self._closed = False
+        self._last_stream: weakref.ref[_StreamBase] | None = None
 
     def _check(self) -> None:
         self._core.check()
@@ -214,14 +223,20 @@ class _ConversationBase:
 
         Raises:
             InvalidTokenError: a token id outside the vocabulary.
-            InvalidRequestError: content that is neither text nor token ids.
+            InvalidRequestError: content that is empty, or neither text nor token ids.
+            ContextFull: a prompt as long as the context or longer.
             ConversationClosed, EngineClosed, EngineDead.
         """
         self._check()
         tokens = self._core.encode(content, first=self._fresh, special=special)
-        if tokens:
-            self._fresh = False
-            self._core.send(Prompt(self.id, tuple(tokens)))
+        if not tokens or (isinstance(content, str) and not content):
+            raise InvalidRequestError("a prompt must not be empty")
+        n_ctx = self._core.n_ctx
+        if len(tokens) >= n_ctx:
+            raise ContextFull(f"a prompt of {len(tokens)} tokens does not fit a context of {n_ctx} "
+                              "with room to generate")
+        self._fresh = False
+        self._core.send(Prompt(self.id, tuple(tokens)))
 
     def fork(self: _C) -> _C:
         """A new conversation with this one's history, sharing its KV prefix. Never blocks.
@@ -236,6 +251,10 @@ class _ConversationBase:
     def _start(self, params: dict[str, Any], sink: AsyncSink | ThreadSink) -> None:
         self._check()
         sampling = SamplingParams.from_kwargs(**params)
+        last = self._last_stream() if self._last_stream is not None else None
+        if last is not None and last._running:
+            raise ConversationBusy("the conversation is already generating: read that stream to its "
+                                   "end or cancel it first")
         admission = self._core.loop.admission
         if not admission.enter():
             raise Overloaded(f"{admission.limit} generations are already waiting (max_queued); retry later")
@@ -269,7 +288,14 @@ class _ConversationBase:
 
 
 class Conversation(_ConversationBase):
-    """A conversation for async code (asyncio or trio). Create it with ``Engine.conversation()``."""
+    """A conversation for async code (asyncio or trio). Create it with ``Engine.conversation()``.
+
+    It belongs to the engine's event loop: its methods raise ``WrongEventLoop`` anywhere else.
+    """
+
+    def _check(self) -> None:
+        super()._check()
+        self._core.check_loop()
 
     def stream(self, **params: Any) -> Stream:
         """Start generating; returns a :class:`Stream` to iterate or await.
@@ -285,13 +311,15 @@ class Conversation(_ConversationBase):
         The stream itself raises ContextFull when the history fills the context, and GrammarError for
         a grammar that does not parse.
         """
-        sink = AsyncSink(current_portal())
+        sink = AsyncSink(self._core.check_loop())
         self._start(params, sink)
-        return Stream(self, sink)
+        stream = Stream(self, sink)
+        self._last_stream = weakref.ref(stream)
+        return stream
 
     async def aclose(self) -> None:
         """End any generation and free the conversation's seq id and KV cells. Idempotent."""
-        sink = AsyncSink(current_portal())
+        sink = AsyncSink(self._core.check_loop())
         if self._close_command(sink):
             with anyio.CancelScope(shield=True):
                 await sink.get()
@@ -311,7 +339,9 @@ class SyncConversation(_ConversationBase):
         """Start generating; iterate the result, or call ``result()``. See ``Conversation.stream``."""
         sink = ThreadSink()
         self._start(params, sink)
-        return SyncStream(self, sink)
+        stream = SyncStream(self, sink)
+        self._last_stream = weakref.ref(stream)
+        return stream
 
     def close(self) -> None:
         """End any generation and free the conversation's seq id and KV cells. Idempotent."""

@@ -446,7 +446,15 @@ class DecodeLoop:
         """One hop per consumer loop for everything this step produced."""
         out, self._out = self._out, {}
         for portal, items in out.items():
-            portal.send(_Dispatch(items))
+            if not portal.send(_Dispatch(items)):
+                self._orphaned(portal)
+
+    def _orphaned(self, portal: Portal) -> None:
+        """The event loop behind ``portal`` has closed: end its generations, nobody reads them."""
+        for conv in [c for c, gen in self._gens.items() if gen.sink.portal is portal]:
+            self._end(conv, "cancelled")
+        self._out.pop(portal, None)
+        self._publish()
 
     def _publish(self) -> None:
         c = self.scheduler.counts()

@@ -21,10 +21,12 @@ import anyio
 from aiollama.commands import NewConversation
 from aiollama.conversation import Completion, Conversation, SyncConversation
 from aiollama.decode_loop import DecodeLoop, EngineConfig, Statistics
-from aiollama.errors import ClosedError, EngineClosed, InvalidRequestError
+from aiollama.commands import Portal
+from aiollama.errors import ClosedError, EngineClosed, EngineDead, InvalidRequestError, WrongEventLoop
 from aiollama.models import default_model
 from aiollama.native import Vocab
 from aiollama.native.batch import MAX_SEQ
+from aiollama.portal import current_portal
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
@@ -42,16 +44,34 @@ class EngineCore:
         self._ids = itertools.count(1)
         self.closed = False
         self.vocab: Vocab | None = None
+        self.owner: Any = None  # the event loop (or trio token) of an async engine
+
+    def check_loop(self) -> Portal:
+        """The caller's portal; WrongEventLoop if an async engine is used outside its own loop."""
+        portal = current_portal()
+        if self.owner is not None and portal.owner is not self.owner:
+            raise WrongEventLoop("this engine belongs to the event loop that started it; start one "
+                                 "engine per event loop, or use SyncEngine from threads")
+        return portal
+
+    @property
+    def n_ctx(self) -> int:
+        return self.loop.scheduler.n_ctx
 
     def start(self) -> None:
+        """Load the model and start the decode thread; blocks until the model is loaded."""
         self.loop.start()
         self.loop.wait_ready()
         assert self.loop.model is not None
         self.vocab = self.loop.model.vocab
 
     def close(self) -> None:
+        """Stop the decode thread (running streams end with EngineClosed); raises EngineDead if it
+        had failed."""
         self.closed = True
         self.loop.shutdown()
+        if self.loop.dead is not None:
+            raise self.loop.dead
 
     @property
     def usable(self) -> bool:
@@ -138,11 +158,12 @@ class _EngineBase:
             core.closed = True
             core.loop.shutdown(timeout=0)  # asks the decode thread to stop; does not wait
 
-    def _start(self) -> None:
+    def _start(self, owner: Any = None) -> None:
         if self._core is not None:
             raise RuntimeError("the engine was already started")
         path = self._model_path if self._model_path is not None else default_model()
         core = EngineCore(EngineConfig(model_path=path, **self._params))  # type: ignore[arg-type]
+        core.owner = owner
         try:
             core.start()
         except BaseException:
@@ -169,11 +190,13 @@ class _EngineBase:
 
     @property
     def n_ctx(self) -> int:
-        return self.core.loop.scheduler.n_ctx
+        return self.core.n_ctx
 
     def _new(self, cls: type[Any], prompt: str | Sequence[int] | None) -> Any:
         core = self.core
         core.check()
+        if core.owner is not None:
+            core.check_loop()
         conv = cls(core, core.new_id(), fresh=True)
         core.send(NewConversation(conv.id))
         if prompt is not None:
@@ -198,19 +221,34 @@ class Engine(_EngineBase):
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        await self.aclose()
+        try:
+            await self.aclose()
+        except EngineDead:
+            if exc is None:
+                raise  # otherwise the body's own exception (often this EngineDead) goes on
 
     async def start(self) -> None:
-        """Load the model and start the decode thread (in a worker thread: the loop keeps running)."""
+        """Load the model and start the decode thread (in a worker thread: the loop keeps running).
+
+        The engine then belongs to this event loop; anywhere else it raises ``WrongEventLoop``.
+        """
+        owner = current_portal().owner
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._start)
+            await anyio.to_thread.run_sync(self._start, owner)
 
     async def aclose(self) -> None:
-        """Cancel running generations, stop the decode thread and free all native memory."""
-        if self._core is None or self._core.closed:
+        """Cancel running generations, stop the decode thread and free all native memory.
+
+        Raises ``EngineDead`` if the decode thread had failed (every stream got it too).
+        """
+        core = self._core
+        if core is None:
             return
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._core.close)
+        if not core.closed:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(core.close)
+        elif core.loop.dead is not None:
+            raise core.loop.dead
 
     def conversation(self, prompt: str | Sequence[int] | None = None) -> Conversation:
         """A new, empty conversation (or one holding ``prompt``). Cheap: it takes no seq id yet."""
@@ -245,15 +283,26 @@ class SyncEngine(_EngineBase):
         self._start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self.close()
+        except EngineDead:
+            if exc is None:
+                raise
 
     def start(self) -> None:
         self._start()
 
     def close(self) -> None:
-        if self._core is not None and not self._core.closed:
-            self._core.close()
+        """Stop the decode thread and free everything; raises ``EngineDead`` if it had failed."""
+        core = self._core
+        if core is None:
+            return
+        if not core.closed:
+            core.close()
+        elif core.loop.dead is not None:
+            raise core.loop.dead
 
     def conversation(self, prompt: str | Sequence[int] | None = None) -> SyncConversation:
         conv: SyncConversation = self._new(SyncConversation, prompt)

@@ -10,6 +10,7 @@ Everything derives from :class:`AiollamaError`. Errors about the caller's input 
     │   ├── EngineClosed            the engine was closed
     │   └── ConversationClosed      the conversation was closed
     ├── EngineDead              the decode thread failed; every stream gets this   (engine gone)
+    ├── WrongEventLoop          an Engine used outside the event loop that started it
     ├── ModelLoadError          the model file is missing, not GGUF, truncated or unsupported
     ├── InvalidRequestError     bad input, refused before it reaches llama.cpp (also ValueError)
     │   ├── InvalidBatchError       batch too large, empty, position gaps
@@ -46,6 +47,13 @@ class ConversationClosed(ClosedError):
 
 class EngineDead(AiollamaError):
     """The decode thread stopped on a fatal error; the engine cannot serve anymore."""
+
+
+class WrongEventLoop(AiollamaError, RuntimeError):
+    """An ``Engine`` (or its conversations) used from another event loop or a plain thread.
+
+    An ``Engine`` belongs to the event loop that started it; plain threads use ``SyncEngine``.
+    """
 
 
 class Overloaded(AiollamaError):
@@ -86,3 +94,7 @@ class GrammarError(InvalidRequestError):
 
 class DecodeError(AiollamaError):
     """llama_decode failed with a fatal status; the context may hold partial results."""
+
+
+class ConversationBusy(InvalidRequestError):
+    """``stream()`` while the conversation's previous stream is neither finished nor cancelled."""

@@ -17,37 +17,43 @@ import anyio
 import sniffio
 
 from aiollama.commands import Delta, Portal
+from aiollama.errors import WrongEventLoop
 
 
 class AsyncioPortal:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self.owner = loop
 
-    def send(self, callback: Callable[[], None]) -> None:
+    def send(self, callback: Callable[[], None]) -> bool:
         try:
-            self._loop.call_soon_threadsafe(callback)
+            self.owner.call_soon_threadsafe(callback)
         except RuntimeError:
-            pass  # the loop is closed: nobody is listening any more
+            return False  # the loop is closed: nobody is listening any more
+        return True
 
 
 class TrioPortal:
     def __init__(self, token: Any) -> None:
-        self._token = token
+        self.owner = token
 
-    def send(self, callback: Callable[[], None]) -> None:
+    def send(self, callback: Callable[[], None]) -> bool:
         import trio
 
         try:
-            self._token.run_sync_soon(callback)
+            self.owner.run_sync_soon(callback)
         except trio.RunFinishedError:
-            pass
+            return False
+        return True
 
 
 class ThreadPortal:
     """For consumers on plain threads: their sinks are thread-safe queues, so deliver at once."""
 
-    def send(self, callback: Callable[[], None]) -> None:
+    owner = None
+
+    def send(self, callback: Callable[[], None]) -> bool:
         callback()
+        return True
 
 
 THREAD_PORTAL = ThreadPortal()
@@ -56,8 +62,15 @@ _trio_portals: dict[Any, TrioPortal] = {}
 
 
 def current_portal() -> Portal:
-    """The portal of the event loop the caller runs in (one per loop, so a step hops once per loop)."""
-    library = sniffio.current_async_library()
+    """The portal of the event loop the caller runs in (one per loop, so a step hops once per loop).
+
+    Raises WrongEventLoop outside asyncio and trio.
+    """
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        raise WrongEventLoop("no event loop runs in this thread: an Engine is used from its own "
+                             "event loop; plain threads use SyncEngine") from None
     if library == "asyncio":
         loop = asyncio.get_running_loop()
         portal = _asyncio_portals.get(loop)
@@ -74,7 +87,7 @@ def current_portal() -> Portal:
                 _trio_portals.clear()
             trio_portal = _trio_portals[token] = TrioPortal(token)
         return trio_portal
-    raise RuntimeError(f"aiollama supports asyncio and trio, not {library}")
+    raise WrongEventLoop(f"aiollama supports asyncio and trio, not {library}")
 
 
 class AsyncSink:

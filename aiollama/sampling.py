@@ -59,7 +59,7 @@ class SamplingParams:
         _integer("max_tokens", self.max_tokens, low=1, high=2**31 - 1)
         _number("temperature", self.temperature, low=0.0)
         _integer("top_k", self.top_k, low=0, high=2**31 - 1)
-        _number("top_p", self.top_p, low=0.0, high=1.0)
+        _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _number("min_p", self.min_p, low=0.0, high=1.0)
         _number("typical_p", self.typical_p, low=0.0, high=1.0, low_open=True)
         _number("repeat_penalty", self.repeat_penalty, low=0.0, low_open=True)

@@ -1,8 +1,46 @@
-"""Helpers shared by the native tests."""
+"""Helpers shared by the tests."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from aiollama import Completion, Engine, Statistics, Stream
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain
+
+GREEDY: dict[str, Any] = dict(temperature=0.0, ignore_eos=True)
+
+
+async def wait_for(engine: Engine, pred: Callable[[Statistics], bool], timeout: float = 20.0) -> Statistics:
+    """Wait until the engine's published statistics satisfy ``pred``."""
+    with anyio.fail_after(timeout):
+        while True:
+            stats = engine.statistics()
+            if pred(stats):
+                return stats
+            await anyio.sleep(0.005)
+
+
+async def solo(model_path: Path, prompt: str, **params: Any) -> Completion:
+    """One generation on an engine of its own: the reference a batched one must match."""
+    async with Engine(model_path, n_ctx=1024, n_seq_max=2, n_batch=256) as e, e.conversation(prompt) as conv:
+        return await conv.stream(**params)
+
+
+async def gather(*streams: Stream) -> list[Completion]:
+    """Await every stream concurrently; completions in order."""
+    results: list[Completion | None] = [None] * len(streams)
+
+    async def one(i: int) -> None:
+        results[i] = await streams[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(streams)):
+            tg.start_soon(one, i)
+    return [r for r in results if r is not None]
 
 
 def first_greedy_tokens(model: Model, prompts: list[list[int]], *, together: bool) -> list[int]:

@@ -24,30 +24,15 @@ from aiollama import (
     Statistics,
 )
 
-pytestmark = pytest.mark.anyio
+from helpers import GREEDY, gather, solo, wait_for
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
+pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
 async def engine(tiny_path: Path) -> AsyncIterator[Engine]:
     async with Engine(tiny_path, n_ctx=2048, n_seq_max=8, n_batch=256, step_tokens=64) as e:
         yield e
-
-
-async def wait_for(engine: Engine, pred: Callable[[Statistics], bool], timeout: float = 20.0) -> Statistics:
-    """Wait until the engine's published statistics satisfy ``pred``."""
-    with anyio.fail_after(timeout):
-        while True:
-            stats = engine.statistics()
-            if pred(stats):
-                return stats
-            await anyio.sleep(0.005)
-
-
-async def solo(tiny_path: Path, prompt: str, **params: Any) -> aiollama.Completion:
-    async with Engine(tiny_path, n_ctx=1024, n_seq_max=2, n_batch=256) as e, e.conversation(prompt) as conv:
-        return await conv.stream(**params)
 
 
 async def test_stream_text_matches_tokens(engine: Engine) -> None:
@@ -104,7 +89,7 @@ async def test_fork_shares_cells_and_both_branches_continue(engine: Engine) -> N
         await parent.stream(max_tokens=1, **GREEDY)
         base = await wait_for(engine, lambda s: s.active == 0)
         children = [parent.fork() for _ in range(3)]
-        outs = await _all(*(c.stream(max_tokens=10, temperature=1.0, seed=i) for i, c in enumerate(children)))
+        outs = await gather(*(c.stream(max_tokens=10, temperature=1.0, seed=i) for i, c in enumerate(children)))
         stats = engine.statistics()
         assert all(len(o.tokens) == 10 for o in outs)
         # the prefix is held once: three branches add their own tokens only
@@ -121,7 +106,7 @@ async def test_forks_of_an_unevaluated_prefix_evaluate_it_once(engine: Engine) -
     n_prefix = len(engine.tokenize(prefix))
     async with engine.conversation(prefix) as parent:
         children = [parent.fork() for _ in range(4)]
-        outs = await _all(*(c.stream(max_tokens=5, temperature=0.9, seed=i) for i, c in enumerate(children)))
+        outs = await gather(*(c.stream(max_tokens=5, temperature=0.9, seed=i) for i, c in enumerate(children)))
         assert all(len(o.tokens) == 5 for o in outs)
         stats = engine.statistics()
         assert stats.tokens_evaluated < n_prefix + 4 * 10
@@ -129,23 +114,14 @@ async def test_forks_of_an_unevaluated_prefix_evaluate_it_once(engine: Engine) -
             await c.aclose()
 
 
-async def _all(*streams: aiollama.Stream) -> list[aiollama.Completion]:
-    results: list[aiollama.Completion | None] = [None] * len(streams)
 
-    async def one(i: int) -> None:
-        results[i] = await streams[i]
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(streams)):
-            tg.start_soon(one, i)
-    return [r for r in results if r is not None]
 
 
 async def test_eviction_and_preemption_in_a_tiny_context(tiny_path: Path) -> None:
     prompts = [f"Story number {i} begins with a tale of" for i in range(6)]
     async with Engine(tiny_path, n_ctx=256, n_seq_max=4, n_batch=256, step_tokens=64) as engine:
         convs = [engine.conversation(p) for p in prompts]
-        outs = await _all(*(c.stream(max_tokens=60, **GREEDY) for c in convs))
+        outs = await gather(*(c.stream(max_tokens=60, **GREEDY) for c in convs))
         stats = engine.statistics()
         assert all(len(o.tokens) == 60 and o.finish_reason == "length" for o in outs)
         assert stats.kv_cells_used <= 256
@@ -245,7 +221,7 @@ async def test_cancel_interrupts_a_long_prefill(tiny_path: Path) -> None:
 
 async def test_aclose_frees_cells_and_seq_ids(engine: Engine) -> None:
     convs = [engine.conversation(f"conversation {i}") for i in range(5)]
-    await _all(*(c.stream(max_tokens=4, **GREEDY) for c in convs))
+    await gather(*(c.stream(max_tokens=4, **GREEDY) for c in convs))
     assert engine.statistics().kv_cells_used > 0
     for c in convs:
         await c.aclose()
@@ -269,7 +245,10 @@ async def test_generate_parallel(engine: Engine) -> None:
 
 async def test_context_full(tiny_path: Path) -> None:
     async with Engine(tiny_path, n_ctx=256, n_seq_max=2) as engine:
-        long = engine.conversation(" ".join(["too long"] * 200))
+        with pytest.raises(ContextFull, match="400 tokens"):
+            engine.conversation(" ".join(["too long"] * 200))  # refused at once
+        long = engine.conversation(" ".join(["long"] * 150))
+        long.prompt(" ".join(["long"] * 150))  # each prompt fits; together they fill the context
         with pytest.raises(ContextFull):
             await long.stream(max_tokens=5)
         prompt = list(range(100, 110))
@@ -357,25 +336,6 @@ async def test_missing_model_raises_on_start(tmp_path: Path) -> None:
             pass
 
 
-async def test_fatal_decode_error_reaches_every_stream(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiollama.native import Context
-
-    async with Engine(tiny_path, n_ctx=512, n_seq_max=4) as engine:
-        convs = [engine.conversation(f"doomed {i}") for i in range(3)]
-        streams = [c.stream(max_tokens=100_000, **GREEDY) for c in convs]
-        await wait_for(engine, lambda s: s.active == 3)
-
-        def broken(self: Context, batch: object) -> object:
-            raise RuntimeError("simulated backend failure")
-
-        monkeypatch.setattr(Context, "decode", broken)
-        for s in streams:
-            with pytest.raises(EngineDead, match="simulated"):
-                await s
-        with pytest.raises(EngineDead):
-            engine.conversation("after")
-
-
 async def test_event_loop_runs_during_a_long_prefill(tiny_path: Path) -> None:
     ticks = 0
     async with Engine(tiny_path, n_ctx=8192, n_seq_max=2, n_batch=4096, step_tokens=4096) as engine:
@@ -449,36 +409,3 @@ async def test_plain_text_never_becomes_control_tokens(engine: Engine) -> None:
     assert sum(vocab.is_control(t) for t in special) == 2
     # prompt() goes through the same path: special tokens only when asked for
     assert engine.core.encode(text, first=False, special=False) == plain
-
-
-@pytest.mark.parametrize("code", [1, 2])  # NO_KV_SLOT, ABORTED
-async def test_recoverable_decode_codes_are_absorbed(tiny_path: Path, code: int) -> None:
-    prompts = ["First of three", "Second of three", "Third of three"]
-    expected = [(await solo(tiny_path, p, max_tokens=12, **GREEDY)).tokens for p in prompts]
-    async with Engine(tiny_path, n_ctx=1024, n_seq_max=4) as engine:
-        ctx = engine.core.loop._ctx
-        assert ctx is not None
-        calls = 0
-
-        def hook(batch: object) -> int | None:
-            nonlocal calls
-            calls += 1
-            return code if calls % 3 == 0 else None  # every third decode fails
-
-        ctx.fault_hook = hook
-        outs = await _all(*(engine.conversation(p).stream(max_tokens=12, **GREEDY) for p in prompts))
-        ctx.fault_hook = None
-    assert calls >= 12
-    assert [o.tokens for o in outs] == expected
-
-
-async def test_fatal_decode_code_reaches_every_stream(tiny_path: Path) -> None:
-    async with Engine(tiny_path, n_ctx=1024, n_seq_max=4) as engine:
-        streams = [engine.conversation(f"doomed {i}").stream(max_tokens=100, **GREEDY) for i in range(3)]
-        await wait_for(engine, lambda s: s.active == 3)
-        ctx = engine.core.loop._ctx
-        assert ctx is not None
-        ctx.fault_hook = lambda batch: -3  # COMPUTE_FAILED
-        for s in streams:
-            with anyio.fail_after(20), pytest.raises(EngineDead, match="COMPUTE_FAILED"):
-                await s

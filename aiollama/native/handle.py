@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections import Counter
 from types import TracebackType
 from typing import Any
 
 from aiollama.errors import ClosedError
+
+_open: Counter[str] = Counter()
+_open_lock = threading.Lock()
+
+
+def count(kind: str, change: int) -> None:
+    with _open_lock:
+        _open[kind] += change
+
+
+def open_handles() -> dict[str, int]:
+    """How many native resources of each kind are allocated now (empty once everything is freed)."""
+    with _open_lock:
+        return {kind: n for kind, n in _open.items() if n}
 
 
 class Handle:
@@ -17,7 +33,18 @@ class Handle:
     """
 
     _kind = "handle"
-    _ptr: Any = None
+    _held: Any = None
+
+    @property
+    def _ptr(self) -> Any:
+        return self._held
+
+    @_ptr.setter
+    def _ptr(self, ptr: Any) -> None:
+        change = (ptr is not None) - (self._held is not None)
+        if change:
+            count(self._kind, change)
+        self._held = ptr
 
     @property
     def closed(self) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiollama.errors import ClosedError, InvalidRequestError, InvalidTokenError, ModelLoadError
 from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
-from aiollama.native.handle import Handle
+from aiollama.native.handle import Handle, count
 
 GGUF_MAGIC = b"GGUF"
 # magic, version, tensor count and metadata count: a file shorter than this cannot be a GGUF model
@@ -64,6 +64,7 @@ class Model(Handle):
             why = "; ".join(recent_errors()) or "no reason given"
             raise ModelLoadError(f"llama.cpp could not load {self.path}: {why}")
         self._native = ptr
+        count(self._kind, 1)
         self._ptr = ptr
         self._users = 0
         self._lock = threading.Lock()
@@ -72,6 +73,8 @@ class Model(Handle):
         self.n_embd: int = lib.llama_model_n_embd(ptr)
         self.n_layer: int = lib.llama_model_n_layer(ptr)
         self.is_recurrent: bool = bool(lib.llama_model_is_recurrent(ptr) or lib.llama_model_is_hybrid(ptr))
+
+    _ptr: Any = None  # a plain attribute here: the native model is counted in _native's lifetime
 
     # Lifetime: _ptr is the caller's view (None once closed); _native is freed only when the
     # caller has closed the model and no dependent handle holds it any more.
@@ -84,6 +87,7 @@ class Model(Handle):
         if self._ptr is None and self._users == 0 and self._native is not None:
             native, self._native = self._native, None
             lib.llama_model_free(native)
+            count(self._kind, -1)
 
     def _acquire(self) -> Any:
         """Keep the native model alive for a dependent handle; the model must still be open."""
