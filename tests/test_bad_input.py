@@ -27,6 +27,7 @@ from aiollama import (
     InvalidRequestError,
     InvalidTokenError,
     ModelLoadError,
+    Overloaded,
     WrongEventLoop,
 )
 
@@ -113,6 +114,19 @@ async def _from_other_loop(engine: Engine) -> None:
         raise error[0]
 
 
+async def _overloaded(model: Path) -> None:
+    async with Engine(model, n_ctx=512, n_seq_max=1, max_queued=1) as small:
+        held = [small.conversation(p).stream(max_tokens=50, **GREEDY) for p in ("Running", "Waiting")]
+        small.conversation("One too many").stream()
+    assert len(held) == 2
+
+
+async def _history_fills_context(engine: Engine) -> None:
+    async with engine.conversation("word " * 1100) as conv:
+        conv.prompt("word " * 1100)
+        await conv.stream()
+
+
 def _sampling(**params: Any) -> Callable[[Engine, Path, Path], Any]:
     async def act(engine: Engine, model: Path, tmp: Path) -> None:
         async with engine.conversation("Sample me") as conv:
@@ -137,6 +151,7 @@ CASES = [
     Case("empty-text", _prompt(""), InvalidRequestError, "must not be empty"),
     Case("empty-tokens", _prompt([]), InvalidRequestError, "must not be empty"),
     Case("longer-than-n_ctx", _prompt("word " * 3000), ContextFull, "does not fit a context of 2048"),
+    Case("history-fills-context", lambda e, m, t: _history_fills_context(e), ContextFull, "context"),
     Case("token-out-of-range", _prompt([1, 2, 10**9]), InvalidTokenError, "outside the vocabulary"),
     Case("negative-token", _prompt([-1]), InvalidTokenError, "outside the vocabulary"),
     Case("float-token", _prompt([1.5]), InvalidTokenError, "outside the vocabulary"),
@@ -169,6 +184,7 @@ CASES = [
     Case("stream-after-exit", lambda e, m, t: _after_exit(m, lambda e2, c: c.stream()), EngineClosed, "closed"),
     Case("tokenize-after-exit", lambda e, m, t: _after_exit(m, lambda e2, c: e2.tokenize("x")),
          EngineClosed, "closed"),
+    Case("over-max_queued", lambda e, m, t: _overloaded(m), Overloaded, "max_queued"),
     Case("from-a-thread", lambda e, m, t: _from_thread(e), WrongEventLoop, "no event loop"),
     Case("from-another-loop", lambda e, m, t: _from_other_loop(e), WrongEventLoop, "belongs to the event loop"),
 ]
