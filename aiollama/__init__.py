@@ -33,6 +33,7 @@ _EXPORTS = {
     "default_model": "aiollama.models",
     "pull": "aiollama.models",
     "AiollamaError": "aiollama.errors",
+    "ChatTemplateError": "aiollama.errors",
     "ClosedError": "aiollama.errors",
     "ContextFull": "aiollama.errors",
     "ConversationBusy": "aiollama.errors",
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from aiollama.engine import Engine, SyncEngine
     from aiollama.errors import (
         AiollamaError,
+        ChatTemplateError,
         ClosedError,
         ContextFull,
         ConversationBusy,

@@ -20,8 +20,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
+from aiollama.chat import REPLY, Messages, normalize, protect, segments
 from aiollama.commands import Cancel, Close, Delta, Fork, Generate, Prompt
-from aiollama.errors import ContextFull, ConversationBusy, ConversationClosed, InvalidRequestError, Overloaded
+from aiollama.errors import (
+    ChatTemplateError,
+    ContextFull,
+    ConversationBusy,
+    ConversationClosed,
+    InvalidRequestError,
+    Overloaded,
+)
 from aiollama.portal import AsyncSink, ThreadSink
 from aiollama.sampling import SamplingParams
 
@@ -205,6 +213,8 @@ class _ConversationBase:
         self._fresh = fresh  # no token yet: the first text prompt gets BOS if the model wants it
         self._closed = False
         self._last_stream: weakref.ref[_StreamBase] | None = None
+        self._chat: list[dict[str, str]] | None = None  # messages so far; None before the first chat()
+        self._reply: _Collector | None = None  # the latest chat() stream's reply
 
     def _check(self) -> None:
         self._core.check()
@@ -231,12 +241,69 @@ class _ConversationBase:
         tokens = self._core.encode(content, first=self._fresh, special=special)
         if not tokens or (isinstance(content, str) and not content):
             raise InvalidRequestError("a prompt must not be empty")
+        self._append(tokens)
+
+    def _append(self, tokens: list[int]) -> None:
         n_ctx = self._core.n_ctx
         if len(tokens) >= n_ctx:
             raise ContextFull(f"a prompt of {len(tokens)} tokens does not fit a context of {n_ctx} "
                               "with room to generate")
         self._fresh = False
         self._core.send(Prompt(self.id, tuple(tokens)))
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The chat so far: every message given to ``chat()`` and the replies streamed back."""
+        out = [dict(m) for m in self._chat or ()]
+        if self._reply is not None:
+            out.append({"role": "assistant", "content": "".join(self._reply.parts)})
+        return out
+
+    def append_chat(self, messages: Messages) -> int:
+        """Append ``messages`` as the next chat turn, with the assistant's generation prompt, without
+        generating (``chat()`` does both). Returns the number of tokens appended. Never blocks."""
+        self._check()
+        self._check_idle()
+        core = self._core
+        new = normalize(messages)
+        for message in new:
+            core.check_role(message["role"])
+        protected, contents = protect(new)
+        template = core.chat_template
+        history = self.messages
+        if self._chat is None:
+            rendered = template.render(protected, True)
+        else:
+            if self._reply is None:
+                history.append({"role": "assistant", "content": ""})
+            previous = history[:-1] + [{"role": "assistant", "content": REPLY}]
+            full = template.render(previous + protected, True)
+            at = full.rfind(REPLY)
+            if at < 0:
+                raise ChatTemplateError("the chat template drops the previous assistant reply, so a turn "
+                                        "cannot be appended; start a new conversation with all messages")
+            rendered = full[at + len(REPLY):]
+            if self._reply is not None and self._reply.finish_reason == "eog":
+                # the reply's end-of-generation token is already in the conversation
+                rendered = next((rendered[len(t):] for t in core.eog_texts if t and rendered.startswith(t)),
+                                rendered)
+        tokens = core.chat_tokens(segments(rendered, contents), first=self._fresh)
+        if not tokens:
+            raise ChatTemplateError("the chat template rendered nothing for these messages")
+        self._append(tokens)
+        self._chat, self._reply = history + new, None
+        return len(tokens)
+
+    def _chat_turn(self, messages: Messages, params: dict[str, Any]) -> None:
+        self._check()
+        SamplingParams.from_kwargs(**params)  # a bad parameter must not leave half a turn behind
+        self.append_chat(messages)
+
+    def _check_idle(self) -> None:
+        last = self._last_stream() if self._last_stream is not None else None
+        if last is not None and last._running:
+            raise ConversationBusy("the conversation is already generating: read that stream to its "
+                                   "end or cancel it first")
 
     def fork(self: _C) -> _C:
         """A new conversation with this one's history, sharing its KV prefix. Never blocks.
@@ -246,15 +313,18 @@ class _ConversationBase:
         self._check()
         child = type(self)(self._core, self._core.new_id(), fresh=self._fresh)
         self._core.send(Fork(self.id, child.id))
+        if self._chat is not None:
+            child._chat = [dict(m) for m in self._chat]
+            reply = self._reply
+            if reply is not None and not reply.done:  # forked mid-reply: the child's reply stops here
+                reply = _Collector(list(reply.parts), list(reply.tokens))
+            child._reply = reply
         return child
 
     def _start(self, params: dict[str, Any], sink: AsyncSink | ThreadSink) -> None:
         self._check()
         sampling = SamplingParams.from_kwargs(**params)
-        last = self._last_stream() if self._last_stream is not None else None
-        if last is not None and last._running:
-            raise ConversationBusy("the conversation is already generating: read that stream to its "
-                                   "end or cancel it first")
+        self._check_idle()
         admission = self._core.loop.admission
         if not admission.enter():
             raise Overloaded(f"{admission.limit} generations are already waiting (max_queued); retry later")
@@ -317,6 +387,24 @@ class Conversation(_ConversationBase):
         self._last_stream = weakref.ref(stream)
         return stream
 
+    def chat(self, messages: Messages, **params: Any) -> Stream:
+        """Append a chat turn in the model's own template, then stream the assistant's reply.
+
+        ``messages`` is a str (one user message), a {"role", "content"} mapping, or a list of them.
+        Each call appends to this conversation: earlier turns stay in the KV cache and are never
+        evaluated again. Content is plain text: it never becomes control tokens. Parameters are those
+        of ``stream()``.
+
+        Raises:
+            ChatTemplateError: a malformed message, a role with special-token text, or messages the
+                template refuses.
+            ConversationBusy, InvalidRequestError, ContextFull, and what ``stream()`` raises.
+        """
+        self._chat_turn(messages, params)
+        stream = self.stream(**params)
+        self._reply = stream._result
+        return stream
+
     async def aclose(self) -> None:
         """End any generation and free the conversation's seq id and KV cells. Idempotent."""
         sink = AsyncSink(self._core.check_loop())
@@ -341,6 +429,13 @@ class SyncConversation(_ConversationBase):
         self._start(params, sink)
         stream = SyncStream(self, sink)
         self._last_stream = weakref.ref(stream)
+        return stream
+
+    def chat(self, messages: Messages, **params: Any) -> SyncStream:
+        """Append a chat turn and stream the reply; see ``Conversation.chat``."""
+        self._chat_turn(messages, params)
+        stream = self.stream(**params)
+        self._reply = stream._result
         return stream
 
     def close(self) -> None:

@@ -14,6 +14,8 @@ A fatal error reaches every waiting stream as ``EngineDead``; it never becomes a
 from __future__ import annotations
 
 import atexit
+import bisect
+import itertools
 import queue
 import threading
 import time
@@ -82,6 +84,7 @@ class Statistics:
     aborted_steps: int = 0  # decodes interrupted by a cancel (their partial KV is kept consistent)
     decode_seconds: float = 0.0  # inside llama_decode
     step_seconds: float = 0.0  # whole steps: planning, batch filling, decode, sampling, delivery
+    step_histogram: tuple[int, ...] = ()  # steps per STEP_BUCKETS bound (cumulative), then all steps
 
     @property
     def python_overhead(self) -> float:
@@ -162,6 +165,9 @@ def _stop_live_loops() -> None:
         loop.shutdown(timeout=10.0)
 
 
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds
+
+
 @dataclass
 class _Counters:
     tokens_evaluated: int = 0
@@ -191,6 +197,7 @@ class DecodeLoop:
         self._deferred: dict[int, list[tuple[int, ...]]] = defaultdict(list)
         self._out: dict[Portal, list[tuple[Sink, Delta]]] = {}
         self._counters = _Counters()
+        self._step_counts = [0] * (len(STEP_BUCKETS) + 1)
 
     # caller side (any thread)
 
@@ -313,7 +320,9 @@ class DecodeLoop:
                     raise DecodeError(f"llama_decode failed: {status.name}")
             else:
                 raise DecodeError(f"llama_decode rejected a planned batch: {status.name}")
-            counters.step_seconds += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            counters.step_seconds += elapsed
+            self._step_counts[bisect.bisect_left(STEP_BUCKETS, elapsed)] += 1
             self._publish()  # before the hop, so that a woken consumer sees this step's numbers
             self._flush()
 
@@ -462,6 +471,7 @@ class DecodeLoop:
             live=c.live, active=c.active, queued=c.queued, kv_cells_used=c.kv_cells_used,
             kv_cells_total=c.kv_cells_total, seq_ids_used=c.seq_ids_used,
             n_seq_max=self.config.n_seq_max if self._ctx is None else self._ctx.n_seq_max,
+            step_histogram=tuple(itertools.accumulate(self._step_counts)),
             **vars(self._counters))  # a flat copy; asdict would deep-copy every step
 
     def _die(self, exc: BaseException) -> None:

@@ -21,8 +21,16 @@ import anyio
 from aiollama.commands import NewConversation
 from aiollama.conversation import Completion, Conversation, SyncConversation
 from aiollama.decode_loop import DecodeLoop, EngineConfig, Statistics
+from aiollama.chat import ChatTemplate, Segment
 from aiollama.commands import Portal
-from aiollama.errors import ClosedError, EngineClosed, EngineDead, InvalidRequestError, WrongEventLoop
+from aiollama.errors import (
+    ChatTemplateError,
+    ClosedError,
+    EngineClosed,
+    EngineDead,
+    InvalidRequestError,
+    WrongEventLoop,
+)
 from aiollama.models import default_model
 from aiollama.native import Vocab
 from aiollama.native.batch import MAX_SEQ
@@ -45,6 +53,8 @@ class EngineCore:
         self.closed = False
         self.vocab: Vocab | None = None
         self.owner: Any = None  # the event loop (or trio token) of an async engine
+        self._chat_template: ChatTemplate | None = None
+        self.eog_texts: list[str] = []
 
     def check_loop(self) -> Portal:
         """The caller's portal; WrongEventLoop if an async engine is used outside its own loop."""
@@ -122,6 +132,44 @@ class EngineCore:
     def detokenize(self, tokens: Sequence[int]) -> str:
         with self._pinned_vocab() as vocab:
             return vocab.detokenize(tokens)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (built on first use)."""
+        if self._chat_template is None:
+            with self._pinned_vocab() as vocab:
+                source = vocab._model.chat_template()
+                texts = {t: vocab.token_text(t) for t in (vocab.bos, vocab.eos, vocab.eot) if t >= 0}
+            self.eog_texts = [texts[t] for t in (vocab.eot, vocab.eos) if t in texts]
+
+            def builtin(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+                with self._pinned_vocab() as v:
+                    try:
+                        return v.apply_chat_template(messages, template=source or "chatml",
+                                                     add_assistant=add_generation_prompt)
+                    except InvalidRequestError:  # a template llama.cpp does not recognize
+                        return v.apply_chat_template(messages, template="chatml",
+                                                     add_assistant=add_generation_prompt)
+
+            self._chat_template = ChatTemplate(source, bos_token=texts.get(vocab.bos, ""),
+                                               eos_token=texts.get(vocab.eos, ""), builtin=builtin)
+        return self._chat_template
+
+    def chat_tokens(self, parts: list[Segment], *, first: bool) -> list[int]:
+        """Tokens of rendered chat text: template text with special tokens, caller text without."""
+        out: list[int] = []
+        for i, part in enumerate(parts):
+            add_bos = first and i == 0 and part.template
+            tokens = self.tokenize(part.text, add_special=add_bos, special=part.template)
+            if add_bos and len(tokens) > 1 and self.vocab is not None and tokens[0] == tokens[1] == self.vocab.bos:
+                tokens = tokens[1:]  # the template wrote BOS itself
+            out += tokens
+        return out
+
+    def check_role(self, role: str) -> None:
+        if self.tokenize(role, add_special=False, special=True) != self.tokenize(role, add_special=False,
+                                                                                  special=False):
+            raise ChatTemplateError(f"the role {role!r} holds special-token text")
 
 
 class _EngineBase:

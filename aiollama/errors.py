@@ -98,3 +98,8 @@ class DecodeError(AiollamaError):
 
 class ConversationBusy(InvalidRequestError):
     """``stream()`` while the conversation's previous stream is neither finished nor cancelled."""
+
+
+class ChatTemplateError(InvalidRequestError):
+    """A malformed chat message, a role holding special-token text, or messages the model's chat
+    template refuses (it called ``raise_exception``)."""

@@ -1,0 +1,138 @@
+"""Chat templates: the model's own Jinja template in a sandbox, llama.cpp's built-ins as a fallback.
+
+Caller text never becomes control tokens. A template is rendered with a placeholder in place of
+each message's content; the rendered text between placeholders is the template's own and is
+tokenized with special tokens parsed, while the contents are tokenized as plain text. Roles may
+not contain special-token text at all.
+
+Multi-turn chat appends: each turn renders the messages so far plus the new ones, and only the text
+after the previous assistant reply (the end of that reply's turn, the new messages and the
+generation prompt) is appended, so earlier turns are never evaluated again.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from aiollama.errors import ChatTemplateError
+
+
+_CONTENT = "\ue000{}\ue001"  # private-use characters: no tokenizer or template gives them meaning
+_CONTENT_RE = re.compile("\ue000([0-9]+)\ue001")
+REPLY = "\ue002"  # stands for the previous assistant reply, which is already in the conversation
+
+Messages = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+
+def normalize(messages: Messages) -> list[dict[str, str]]:
+    """``messages`` as a list of {"role", "content"} dicts: a str is one user message."""
+    if isinstance(messages, str):
+        messages = {"role": "user", "content": messages}
+    if isinstance(messages, Mapping):
+        messages = [messages]
+    if not isinstance(messages, Sequence) or isinstance(messages, (bytes, bytearray)):
+        raise ChatTemplateError(f"messages must be a str, a message or a list of messages, got "
+                                f"{type(messages).__name__}")
+    if not messages:
+        raise ChatTemplateError("messages must not be empty")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(f"message {i} must be a mapping with 'role' and 'content'")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role or not isinstance(content, str):
+            raise ChatTemplateError(f"message {i} needs a non-empty str 'role' and a str 'content'")
+        if "\ue000" in content or "\ue001" in content or REPLY in content or REPLY in role:
+            raise ChatTemplateError(f"message {i} holds characters U+E000..U+E002, which aiollama reserves")
+        out.append({"role": role, "content": content})
+    return out
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    template: bool  # True: the template's own text (special tokens parsed); False: caller content
+
+
+def protect(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[str]]:
+    """Messages with each content replaced by a placeholder, and the contents in order."""
+    return ([{"role": m["role"], "content": _CONTENT.format(i)} for i, m in enumerate(messages)],
+            [m["content"] for m in messages])
+
+
+def segments(rendered: str, contents: list[str]) -> list[Segment]:
+    """Split rendered text into template text and caller content (at the placeholders)."""
+    out: list[Segment] = []
+    pos = 0
+    for match in _CONTENT_RE.finditer(rendered):
+        if match.start() > pos:
+            out.append(Segment(rendered[pos:match.start()], True))
+        index = int(match.group(1))
+        if index >= len(contents):
+            raise ChatTemplateError("the chat template produced a placeholder it was not given")
+        if contents[index]:
+            out.append(Segment(contents[index], False))
+        pos = match.end()
+    if pos < len(rendered):
+        out.append(Segment(rendered[pos:], True))
+    return out
+
+
+class ChatTemplate:
+    """Renders messages to text with the model's template.
+
+    ``source`` is the Jinja template from the GGUF metadata (``tokenizer.chat_template``); it is
+    rendered in Jinja2's immutable sandbox with the variables Hugging Face passes. When there is
+    none, or it does not compile, or rendering fails for a reason other than the template refusing
+    the messages, ``builtin`` (llama.cpp's pattern-matched templates) renders instead.
+    """
+
+    def __init__(self, source: str | None, *, bos_token: str, eos_token: str,
+                 builtin: Callable[[list[dict[str, str]], bool], str]) -> None:
+        self.source = source
+        self._vars = {"bos_token": bos_token, "eos_token": eos_token}
+        self._builtin = builtin
+        self._jinja: Any = None
+        self.kind = "builtin"
+        if source:
+            try:
+                self._jinja = _compile(source)
+                self.kind = "jinja"
+            except Exception:  # noqa: BLE001 - a template Jinja2 cannot compile: use the fallback
+                self._jinja = None
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if self._jinja is not None:
+            try:
+                return str(self._jinja.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                              **self._vars))
+            except _Refused as exc:
+                raise ChatTemplateError(f"the chat template refuses these messages: {exc}") from None
+            except Exception:  # noqa: BLE001 - a template bug, not the caller's: fall back
+                pass
+        return self._builtin(messages, add_generation_prompt)
+
+
+class _Refused(Exception):
+    """The template called raise_exception()."""
+
+
+def _raise(message: str) -> None:
+    raise _Refused(message)
+
+
+def _compile(source: str) -> Any:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda value, indent=None, ensure_ascii=False: json.dumps(
+        value, indent=indent, ensure_ascii=ensure_ascii)
+    return env.from_string(source)
