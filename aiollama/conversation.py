@@ -344,15 +344,20 @@ class _ConversationBase:
         self._core.send(Close(self.id, ack))
         return True
 
+    def close_nowait(self) -> None:
+        """Close without waiting: the decode thread frees the seq id and cells at its next step."""
+        if not self._closed:
+            self._closed = True
+            if self._core.usable:
+                self._core.send(Close(self.id))
+
     def _cancel(self) -> None:
         if not self._closed and self._core.usable:
             self._core.send(Cancel(self.id))
 
     def __del__(self) -> None:
         try:
-            if not self._closed and self._core.usable:
-                self._closed = True
-                self._core.send(Close(self.id))
+            self.close_nowait()
         except Exception:  # noqa: BLE001 - the engine may already be gone
             pass
 

@@ -220,6 +220,13 @@ class _EngineBase:
         self._core = core
 
     @property
+    def model_path(self) -> Path:
+        """The GGUF file the engine serves (the default model's path once started without one)."""
+        if self._core is not None:
+            return self._core.loop.config.model_path
+        return self._model_path if self._model_path is not None else Path("default")
+
+    @property
     def core(self) -> EngineCore:
         if self._core is None:
             raise EngineClosed("the engine is not started: use 'async with' / 'with', or start it")

@@ -1,0 +1,192 @@
+"""The ``aiollama`` command: run, serve, bench, pull.
+
+    aiollama run [MODEL] PROMPT...     stream the prompts side by side, with live tokens/s and batch use
+    aiollama serve [MODEL]             the OpenAI-compatible server
+    aiollama bench [ARGS...]           the benchmarks of a source checkout (benchmarks/run.py)
+    aiollama pull                      fetch the default model into the cache
+
+MODEL is a path to a GGUF file; without it the default model is used (fetched on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from aiollama.errors import AiollamaError
+
+
+def _model_and_prompts(words: list[str]) -> tuple[Path | None, list[str]]:
+    """``run``'s positionals: a first word naming a GGUF file is the model, the rest are prompts."""
+    if words and words[0].endswith(".gguf"):
+        return Path(words[0]), words[1:]
+    return None, words
+
+
+def _display(prompts: list[str], texts: list[str], done: list[str | None], stats: Any, rate: float,
+             peak: int) -> Any:
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table.grid(expand=True)
+    for _ in prompts:
+        grid.add_column(ratio=1)
+    grid.add_row(*[
+        Panel(Text(texts[i][-1200:] or "…"), title=Text(prompts[i][:40], style="bold"),
+              subtitle=done[i] or "streaming", border_style="green" if done[i] else "cyan")
+        for i in range(len(prompts))
+    ])
+    status = Text.assemble(
+        ("tokens/s ", "dim"), (f"{rate:6.1f}", "bold"),
+        ("   batch ", "dim"), (f"{stats.active}/{stats.n_seq_max}", "bold"), (f" (peak {peak})", "dim"),
+        ("   queued ", "dim"), (str(stats.queued), "bold"),
+        ("   KV cells ", "dim"), (f"{stats.kv_cells_used}/{stats.kv_cells_total}", "bold"),
+        ("   generated ", "dim"), (str(stats.tokens_generated), "bold"),
+    )
+    return Group(grid, status)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from aiollama.engine import Engine
+
+    model, prompts = _model_and_prompts(args.words)
+    if args.model is not None:
+        model, prompts = args.model, args.words
+    if not prompts:
+        print("aiollama run: give at least one prompt", file=sys.stderr)
+        return 2
+    texts = [""] * len(prompts)
+    done: list[str | None] = [None] * len(prompts)
+    console = Console()
+    async with Engine(model, n_ctx=args.n_ctx, n_seq_max=max(len(prompts), args.n_seq_max)) as engine:
+        start = time.perf_counter()
+        first_tokens = engine.statistics().tokens_generated
+
+        async def one(i: int) -> None:
+            async with engine.conversation() as conv:
+                stream = conv.chat(prompts[i], max_tokens=args.max_tokens, temperature=args.temperature,
+                                   seed=args.seed + i)
+                async for chunk in stream:
+                    texts[i] += chunk.text
+                done[i] = stream.finish_reason
+
+        peak = 0
+
+        def frame() -> Any:
+            nonlocal peak
+            stats = engine.statistics()
+            peak = max(peak, stats.active)
+            elapsed = max(time.perf_counter() - start, 1e-6)
+            return _display(prompts, texts, done, stats, (stats.tokens_generated - first_tokens) / elapsed, peak)
+
+        with Live(frame(), console=console, refresh_per_second=10) as live:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+
+                async def refresh() -> None:
+                    while not all(done):
+                        live.update(frame())
+                        await anyio.sleep(0.1)
+                tg.start_soon(refresh)
+            live.update(frame())
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from aiollama.server import create_app
+    except ImportError as exc:
+        print(f"aiollama serve needs the server extra: pip install 'aiollama[server]' ({exc})", file=sys.stderr)
+        return 2
+    app = create_app(args.model, model_name=args.model_name, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max,
+                     max_queued=args.max_queued)
+    # uvicorn stops accepting on SIGTERM/SIGINT, lets requests finish within the grace period, then
+    # cancels them; the app's lifespan then closes the engine.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.grace)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    script = Path(args.benchmarks) / "run.py"
+    if not script.is_file():
+        print(f"aiollama bench runs the benchmarks of a source checkout; no {script} here "
+              "(run it from the repository root, or pass --benchmarks DIR)", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *args.rest])
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from aiollama.models import pull
+
+    print(pull())
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aiollama", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="stream prompts side by side with live progress")
+    run.add_argument("words", nargs="+", metavar="[MODEL] PROMPT", help="a .gguf path (optional), then prompts")
+    run.add_argument("--model", type=Path, default=None, help="the GGUF file (instead of the first word)")
+    run.add_argument("--max-tokens", type=int, default=256)
+    run.add_argument("--temperature", type=float, default=0.7)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--n-ctx", type=int, default=8192)
+    run.add_argument("--n-seq-max", type=int, default=1)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible server")
+    serve.add_argument("model", nargs="?", type=Path, default=None, help="the GGUF file (default model if omitted)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-name", default=None, help="the id /v1/models reports (default: the file name)")
+    serve.add_argument("--n-ctx", type=int, default=8192)
+    serve.add_argument("--n-seq-max", type=int, default=16)
+    serve.add_argument("--max-queued", type=int, default=256)
+    serve.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")
+    serve.add_argument("--log-level", default="info")
+
+    bench = sub.add_parser("bench", help="the benchmarks (from a source checkout)")
+    bench.add_argument("--benchmarks", default=os.path.join(os.getcwd(), "benchmarks"))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks/run.py (--quick, ...)")
+
+    sub.add_parser("pull", help="fetch the default model into the cache")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return anyio.run(_run, args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "bench":
+            return _bench(args)
+        return _pull(args)
+    except (AiollamaError, OSError) as exc:
+        print(f"aiollama {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

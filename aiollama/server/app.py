@@ -1,0 +1,347 @@
+"""An OpenAI-compatible ASGI app (Starlette) over one Engine.
+
+``create_app(model)`` owns an engine for its lifespan; ``create_app(engine=engine)`` serves an
+engine the caller owns, so the app can be mounted in a larger service. ``n`` choices are forks of
+one conversation and share its prompt's KV cells.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from aiollama.conversation import Chunk, Conversation, Stream
+from aiollama.decode_loop import Statistics
+from aiollama.engine import Engine
+from aiollama.errors import (
+    AiollamaError,
+    ClosedError,
+    ContextFull,
+    EngineDead,
+    InvalidRequestError,
+    Overloaded,
+)
+from aiollama.models import default_model
+from aiollama.server.metrics import Metrics
+from aiollama.server.requests import BadRequest, Request, chat_request, completion_request
+
+FINISH = {"eog": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+@dataclass
+class _State:
+    model_name: str
+    retry_after: int
+    engine: Engine | None = None
+    metrics: Metrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.statistics)
+
+    def statistics(self) -> Statistics | None:
+        try:
+            return None if self.engine is None else self.engine.statistics()
+        except AiollamaError:
+            return None
+
+
+def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | None = None,
+               model_name: str | None = None, retry_after: int = 1, **engine_options: Any) -> Starlette:
+    """The app. ``engine_options`` go to :class:`Engine` when the app owns its engine."""
+    if engine is not None and (model is not None or engine_options):
+        raise ValueError("pass either an engine or the model and options to build one, not both")
+    path = None if model is None else Path(model)
+    name = model_name or (path.stem if path is not None else "")
+    if engine is not None and not name:
+        name = engine.model_path.stem
+    state = _State(model_name=name, retry_after=retry_after, engine=engine)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if engine is not None:
+            yield
+            return
+        model_path = path if path is not None else await anyio.to_thread.run_sync(default_model)
+        state.model_name = state.model_name or model_path.stem
+        async with Engine(model_path, **engine_options) as owned:
+            state.engine = owned
+            try:
+                yield
+            finally:
+                state.engine = None
+
+    routes = [
+        Route("/health", _endpoint(state, "health", _health), methods=["GET"]),
+        Route("/metrics", _endpoint(state, "metrics", _metrics), methods=["GET"]),
+        Route("/v1/models", _endpoint(state, "models", _models), methods=["GET"]),
+        Route("/v1/completions", _endpoint(state, "completions", _completions), methods=["POST"]),
+        Route("/v1/chat/completions", _endpoint(state, "chat", _chat_completions), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.aiollama = state
+    return app
+
+
+Handler = Callable[[_State, HttpRequest], Awaitable[Response]]
+
+
+def _endpoint(state: _State, name: str, handler: Handler) -> Callable[[HttpRequest], Awaitable[Response]]:
+    async def endpoint(request: HttpRequest) -> Response:
+        try:
+            response = await handler(state, request)
+        except BadRequest as exc:
+            response = _error(exc, state)
+        state.metrics.requests.labels(name, str(response.status_code)).inc()
+        return response
+    return endpoint
+
+
+def _error(exc: BadRequest, state: _State) -> JSONResponse:
+    headers = {"Retry-After": str(state.retry_after)} if exc.status == 503 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _engine(state: _State) -> Engine:
+    engine = state.engine
+    if engine is None or not engine.core.usable:
+        raise BadRequest("the engine is not serving", status=503, code="unavailable")
+    return engine
+
+
+async def _health(state: _State, request: HttpRequest) -> Response:
+    _engine(state)
+    return JSONResponse({"status": "ok"})
+
+
+async def _metrics(state: _State, request: HttpRequest) -> Response:
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _models(state: _State, request: HttpRequest) -> Response:
+    return JSONResponse({"object": "list", "data": [
+        {"id": state.model_name, "object": "model", "created": 0, "owned_by": "aiollama"}]})
+
+
+async def _body(request: HttpRequest) -> Any:
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+
+
+def _translate(exc: AiollamaError) -> BadRequest:
+    if isinstance(exc, Overloaded):
+        return BadRequest(str(exc), status=503, code="overloaded")
+    if isinstance(exc, ContextFull):
+        return BadRequest(str(exc), code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return BadRequest(str(exc))
+    if isinstance(exc, (ClosedError, EngineDead)):
+        return BadRequest(str(exc), status=503, code="unavailable")
+    return BadRequest(str(exc), status=500, code="internal_error")
+
+
+async def _completions(state: _State, request: HttpRequest) -> Response:
+    return await _serve(state, request, completion_request(await _body(request)), chat=False)
+
+
+async def _chat_completions(state: _State, request: HttpRequest) -> Response:
+    return await _serve(state, request, chat_request(await _body(request)), chat=True)
+
+
+@dataclass
+class _Job:
+    """One request in flight: its conversations and streams, and what it reports."""
+
+    id: str
+    chat: bool
+    model: str
+    created: int
+    prompt_tokens: int
+    convs: list[Conversation]
+    streams: list[Stream]
+    started: float
+
+    async def close(self) -> None:
+        for conv in self.convs:
+            await conv.aclose()
+
+
+def _start(state: _State, req: Request, chat: bool) -> _Job:
+    engine = _engine(state)
+    root = engine.conversation()
+    convs = [root]
+    try:
+        if chat:
+            assert req.messages is not None
+            n_prompt = root.append_chat(req.messages)
+        else:
+            tokens = engine.tokenize(req.prompt, add_special=True) if isinstance(req.prompt, str) else req.prompt
+            assert tokens is not None
+            root.prompt(tokens)
+            n_prompt = len(tokens)
+        if req.n > 1:
+            convs = [root.fork() for _ in range(req.n)]  # the choices share the prompt's cells
+        streams = []
+        for i, conv in enumerate(convs):
+            params = dict(req.params)
+            if "seed" in params:
+                params["seed"] = (params["seed"] + i) % (2**32 - 1)
+            streams.append(conv.stream(**params))
+    except BaseException as exc:
+        for conv in {root, *convs}:
+            conv.close_nowait()
+        if isinstance(exc, AiollamaError):
+            raise _translate(exc) from None
+        raise
+    if req.n > 1:
+        root.close_nowait()  # the forks hold what they need
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    return _Job(prefix + uuid.uuid4().hex, chat, state.model_name, int(time.time()), n_prompt, convs, streams,
+                time.perf_counter())
+
+
+Item = tuple[int, Chunk | AiollamaError | None]
+
+
+async def _pump(job: _Job, state: _State, send: MemoryObjectSendStream[Item]) -> None:
+    """Every choice's chunks, in arrival order, as (index, chunk); (index, None) when it ends, with
+    its finish reason on the stream; (index, error) if it fails."""
+    first = True
+
+    async def one(i: int, stream: Stream) -> None:
+        nonlocal first
+        try:
+            try:
+                async for chunk in stream:
+                    if first and chunk.tokens:
+                        first = False
+                        state.metrics.time_to_first_token.observe(time.perf_counter() - job.started)
+                    await send.send((i, chunk))
+            except AiollamaError as exc:
+                await send.send((i, exc))
+            else:
+                await send.send((i, None))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the response stopped reading: it is closing the job
+
+    async with send, anyio.create_task_group() as tg:
+        for i, stream in enumerate(job.streams):
+            tg.start_soon(one, i, stream)
+
+
+async def _serve(state: _State, request: HttpRequest, req: Request, chat: bool) -> Response:
+    job = _start(state, req, chat)
+    if req.stream:
+        return StreamingResponse(_events(job, state, req), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    texts = [""] * len(job.streams)
+    completion_tokens = 0
+    error: AiollamaError | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+            send, receive = anyio.create_memory_object_stream[Item](64)
+            tg.start_soon(_pump, job, state, send)
+            async with receive:
+                async for i, item in receive:
+                    if isinstance(item, AiollamaError):
+                        error = item
+                        break
+                    if item is not None:
+                        texts[i] += item.text
+                        completion_tokens += len(item.tokens)
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await job.close()
+    if error is not None:
+        raise _translate(error)
+    choices = [_choice(job, i, text, FINISH.get(job.streams[i].finish_reason or "", "stop"))
+               for i, text in enumerate(texts)]
+    return JSONResponse({"id": job.id, "object": "chat.completion" if chat else "text_completion",
+                         "created": job.created, "model": job.model, "choices": choices,
+                         "usage": _usage(job, completion_tokens)})
+
+
+def _choice(job: _Job, i: int, text: str, finish: str | None) -> dict[str, Any]:
+    if job.chat:
+        return {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+    return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def _delta(job: _Job, i: int, text: str, finish: str | None) -> dict[str, Any]:
+    if job.chat:
+        return {"index": i, "delta": {"content": text} if text else {}, "finish_reason": finish}
+    return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def _usage(job: _Job, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": job.prompt_tokens + completion_tokens}
+
+
+async def _cancel_on_disconnect(request: HttpRequest, scope: anyio.CancelScope) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def _events(job: _Job, state: _State, req: Request) -> AsyncIterator[str]:
+    """Server-sent events. A client that disconnects cancels this generator, and with it the
+    generation, within a decode step."""
+    kind = "chat.completion.chunk" if job.chat else "text_completion"
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+        payload = {"id": job.id, "object": kind, "created": job.created, "model": job.model,
+                   "choices": choices, **extra}
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    completion_tokens = 0
+    try:
+        if job.chat:
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(len(job.streams))])
+        send, receive = anyio.create_memory_object_stream[Item](64)
+        error: AiollamaError | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_pump, job, state, send)
+            async with receive:
+                async for i, item in receive:
+                    if isinstance(item, AiollamaError):
+                        error = item
+                        break
+                    if item is None:
+                        finish = FINISH.get(job.streams[i].finish_reason or "", "stop")
+                        yield event([_delta(job, i, "", finish)])
+                    elif item.text:
+                        completion_tokens += len(item.tokens)
+                        yield event([_delta(job, i, item.text, None)])
+                    else:
+                        completion_tokens += len(item.tokens)
+            tg.cancel_scope.cancel()
+        if error is not None:
+            yield f"data: {json.dumps(_translate(error).body())}\n\n"
+        if req.include_usage:
+            yield event([], usage=_usage(job, completion_tokens))
+        yield "data: [DONE]\n\n"
+    finally:
+        with anyio.CancelScope(shield=True):
+            await job.close()

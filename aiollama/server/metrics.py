@@ -1,0 +1,53 @@
+"""Prometheus metrics of one engine: gauges read from its statistics at scrape time, histograms of
+time to first token (observed by the server) and step time (kept by the decode thread)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from aiollama.decode_loop import STEP_BUCKETS, Statistics
+
+
+class EngineCollector(Collector):
+    def __init__(self, statistics: Callable[[], Statistics | None]) -> None:
+        self._statistics = statistics
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._statistics()
+        if s is None:
+            return
+        for name, help_text, value in [
+            ("queue_depth", "Generations waiting for a sequence id", s.queued),
+            ("active_conversations", "Conversations generating now", s.active),
+            ("live_conversations", "Conversations open (generating or not)", s.live),
+            ("kv_cells_used", "KV cache cells in use", s.kv_cells_used),
+            ("kv_cells_total", "KV cache cells in the context", s.kv_cells_total),
+            ("seq_ids_used", "Sequence ids held", s.seq_ids_used),
+        ]:
+            yield GaugeMetricFamily(f"aiollama_{name}", help_text, value=value)
+        yield CounterMetricFamily("aiollama_tokens_in", "Tokens evaluated (prompts and re-evaluation)",
+                                  value=s.tokens_evaluated)
+        yield CounterMetricFamily("aiollama_tokens_out", "Tokens generated", value=s.tokens_generated)
+        yield CounterMetricFamily("aiollama_decode_steps", "Decode steps", value=s.decode_steps)
+        if s.step_histogram:
+            buckets = [(str(b), n) for b, n in zip(STEP_BUCKETS, s.step_histogram)]
+            buckets.append(("+Inf", s.step_histogram[-1]))
+            yield HistogramMetricFamily("aiollama_step_seconds", "Time of one decode step",
+                                        buckets=buckets, sum_value=s.step_seconds)
+
+
+class Metrics:
+    """The registry of one app (not the global one: several apps may live in one process)."""
+
+    def __init__(self, statistics: Callable[[], Statistics | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(statistics))
+        self.time_to_first_token = Histogram(
+            "aiollama_time_to_first_token_seconds", "From request to the first generated token",
+            buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry)
+        self.requests = Counter("aiollama_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)

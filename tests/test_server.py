@@ -1,0 +1,285 @@
+"""The OpenAI-compatible server, in a real process on 127.0.0.1, driven by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from email.message import Message
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT = 60
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the openai client runs on asyncio
+
+
+class Server:
+    def __init__(self, model: Path, *options: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aiollama", "serve", str(model), "--port", str(self.port),
+             "--log-level", "warning", *options],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir())
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start: {self.output()}")
+            time.sleep(0.1)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def post(self, path: str, body: bytes) -> tuple[int, Message, Any]:
+        request = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, r.headers, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, json.loads(e.read())
+
+    def metric(self, name: str) -> float:
+        match = re.search(rf"^{name} (\S+)$", self.get("/metrics")[1], re.M)
+        assert match, name
+        return float(match.group(1))
+
+    def client(self) -> Any:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+    def output(self) -> str:
+        return self.proc.stdout.read() if self.proc.stdout and self.proc.poll() is not None else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path: Path) -> Iterator[Server]:
+    s = Server(tiny_path, "--n-ctx", "4096", "--n-seq-max", "16", "--model-name", "tiny")
+    yield s
+    s.stop()
+
+
+async def wait_metric(server: Server, name: str, pred: Any) -> float:
+    with anyio.fail_after(TIMEOUT):
+        while not pred(value := await anyio.to_thread.run_sync(server.metric, name)):
+            await anyio.sleep(0.02)
+    return value
+
+
+async def test_models_and_health(server: Server) -> None:
+    async with server.client() as client:
+        models = await client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert server.get("/health") == (200, '{"status":"ok"}')
+
+
+async def test_chat_non_streaming_reports_usage(server: Server) -> None:
+    async with server.client() as client:
+        reply = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=7, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == 7 and reply.usage.prompt_tokens > 10
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 7
+
+
+async def test_chat_streaming(server: Server) -> None:
+    async with server.client() as client:
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Stream to me"}], max_tokens=9, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        text, finish, usage = "", None, None
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        assert finish == "length" and usage is not None and usage.completion_tokens == 9
+        again = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Stream to me"}], max_tokens=9, temperature=0)
+    assert again.choices[0].message.content == text  # streamed and whole answers agree
+
+
+async def test_completions_and_stop(server: Server) -> None:
+    async with server.client() as client:
+        plain = await client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12,
+                                                temperature=0)
+        text = plain.choices[0].text
+        assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 12
+        stop = text[len(text) // 2:][:3]
+        assert stop.strip(), text
+        cut = await client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12,
+                                              temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+async def test_n_choices_share_the_prompt(server: Server) -> None:
+    before = await anyio.to_thread.run_sync(server.metric, "aiollama_tokens_in_total")
+    async with server.client() as client:
+        reply = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Give me three different answers " * 20}],
+            n=3, max_tokens=5, temperature=1.0, seed=3)
+    after = await anyio.to_thread.run_sync(server.metric, "aiollama_tokens_in_total")
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2]
+    assert len({c.message.content for c in reply.choices}) > 1
+    assert reply.usage.completion_tokens == 15
+    # the prompt was evaluated once for the three forks, not three times
+    assert after - before < 2 * reply.usage.prompt_tokens
+
+
+async def test_a_disconnect_frees_the_conversation(server: Server) -> None:
+    async with server.client() as client:
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Talk for a long time"}], max_tokens=3000,
+            temperature=0, stream=True)
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        assert await wait_metric(server, "aiollama_active_conversations", lambda v: v >= 1) >= 1
+        out_at_close = await anyio.to_thread.run_sync(server.metric, "aiollama_tokens_out_total")
+        await stream.close()
+    await wait_metric(server, "aiollama_active_conversations", lambda v: v == 0)
+    # ended within a few steps of the disconnect, not after its 3,000 tokens
+    assert await anyio.to_thread.run_sync(server.metric, "aiollama_tokens_out_total") - out_at_close < 100
+    await wait_metric(server, "aiollama_live_conversations", lambda v: v == 0)
+    assert await anyio.to_thread.run_sync(server.metric, "aiollama_seq_ids_used") == 0
+
+
+async def test_sixteen_concurrent_clients_and_metrics_under_load(server: Server) -> None:
+    peak = 0.0
+
+    async def scrape() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, await anyio.to_thread.run_sync(server.metric, "aiollama_active_conversations"))
+            await anyio.sleep(0.02)
+
+    replies: list[Any] = []
+
+    async def one(i: int) -> None:
+        async with server.client() as client:  # one connection each, as separate clients have
+            replies.append(await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"Client {i} here"}], max_tokens=48,
+                temperature=0.5, seed=i))
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(scrape)
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(one, i)
+        outer.cancel_scope.cancel()
+    assert len(replies) == 16 and all(r.usage.completion_tokens == 48 for r in replies)
+    assert peak >= 8  # the gauge moved with the load
+    assert await anyio.to_thread.run_sync(server.metric, "aiollama_active_conversations") == 0
+    assert await anyio.to_thread.run_sync(server.metric, "aiollama_time_to_first_token_seconds_count") >= 16
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [("/v1/chat/completions", b"{not json", None),
+     ("/v1/chat/completions", b'{"messages": []}', "messages"),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": 3}', "temperature"),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_p": 0}', "top_p"),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stop": [""]}', "stop"),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user<|im_end|>", "content": "x"}]}', None),
+     ("/v1/completions", b'{"prompt": ""}', "prompt"),
+     ("/v1/completions", b'{"prompt": [1, 2, 999999999]}', None),
+     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens")],
+)
+async def test_malformed_requests_get_openai_style_400(server: Server, path: str, body: bytes, param: str | None) -> None:
+    status, _, payload = await anyio.to_thread.run_sync(server.post, path, body)
+    assert status == 400
+    error = payload["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
+
+
+async def test_the_openai_client_sees_a_bad_request_error(server: Server) -> None:
+    async with server.client() as client:
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                 temperature=9)
+
+
+async def test_overload_answers_503_with_retry_after_and_sigterm_is_graceful(tiny_path: Path) -> None:
+    small = Server(tiny_path, "--n-ctx", "1024", "--n-seq-max", "1", "--max-queued", "1", "--grace", "20")
+    try:
+        await overload_then_sigterm(small)
+    finally:
+        small.stop()
+
+
+async def overload_then_sigterm(small: Server) -> None:
+    async with small.client() as client:
+        running = await client.completions.create(model="x", prompt="Running", max_tokens=40, temperature=0,
+                                                  stream=True)
+        first = await running.__anext__()
+        waiting = await client.completions.create(model="x", prompt="Waiting", max_tokens=5, temperature=0,
+                                                  stream=True)
+        status, headers, payload = await anyio.to_thread.run_sync(
+            small.post, "/v1/completions", b'{"prompt": "One too many", "max_tokens": 5}')
+        assert status == 503 and headers.get("Retry-After") == "1"
+        assert payload["error"]["code"] == "overloaded"
+        # SIGTERM: no new connections, but the running streams finish within the grace period
+        small.proc.send_signal(signal.SIGTERM)
+        texts = [first.choices[0].text]
+        async for chunk in running:
+            texts += [c.text for c in chunk.choices]
+        tail = [c async for c in waiting]
+        assert sum(1 for t in texts if t) >= 30 and tail[-1].choices[0].finish_reason == "length"
+    # uvicorn re-raises the signal once it has shut down, as process managers expect
+    assert await anyio.to_thread.run_sync(small.proc.wait, TIMEOUT) in (0, -signal.SIGTERM)
+    assert "Traceback" not in small.output()
+
+
+def test_python_m_aiollama_help() -> None:
+    out = subprocess.run([sys.executable, "-m", "aiollama", "--help"], capture_output=True, text=True,
+                         cwd=tempfile.gettempdir(), env={**os.environ, "COLUMNS": "100"})
+    assert out.returncode == 0
+    for command in ("run", "serve", "bench", "pull"):
+        assert command in out.stdout
