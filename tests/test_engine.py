@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +16,10 @@ from aiollama import (
     ConversationClosed,
     Engine,
     EngineClosed,
-    EngineDead,
     GrammarError,
     InvalidRequestError,
     InvalidTokenError,
     Overloaded,
-    Statistics,
 )
 
 from helpers import GREEDY, gather, solo, wait_for

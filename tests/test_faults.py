@@ -70,7 +70,8 @@ def _scheduler_raises(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("inject", "message"),
-    [(_fatal_code, "COMPUTE_FAILED"), (_decode_raises, "simulated backend"), (_scheduler_raises, "simulated scheduler")],
+    [(_fatal_code, "COMPUTE_FAILED"), (_decode_raises, "simulated backend"),
+     (_scheduler_raises, "simulated scheduler")],
     ids=["fatal-decode-code", "decode-raises", "scheduler-raises"],
 )
 async def test_a_fatal_fault_reaches_every_stream_and_the_exit(

@@ -72,7 +72,8 @@ async def test_5000_conversations_leak_nothing(tiny_path: Path) -> None:
             end_rss, end_objects, end_stats = rss(), object_counts(), engine.statistics()
         gc.collect()
     growth = {k: n for k, n in (end_objects - mid_objects).items() if n > 0}
-    report = (f"RSS {mid_rss / 2**20:.1f} -> {end_rss / 2**20:.1f} MiB, traced Python memory +{traced_growth / 1024:.1f} KiB, "
+    report = (f"RSS {mid_rss / 2**20:.1f} -> {end_rss / 2**20:.1f} MiB, "
+              f"traced Python memory +{traced_growth / 1024:.1f} KiB, "
               f"objects {sum(mid_objects.values())} -> {sum(end_objects.values())}, growth {growth}")
     print(report)
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []

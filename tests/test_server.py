@@ -232,7 +232,8 @@ async def test_sixteen_concurrent_clients_and_metrics_under_load(server: Server)
      ("/v1/completions", b'{"prompt": [1, 2, 999999999]}', None),
      ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens")],
 )
-async def test_malformed_requests_get_openai_style_400(server: Server, path: str, body: bytes, param: str | None) -> None:
+async def test_malformed_requests_get_openai_style_400(server: Server, path: str, body: bytes,
+                                                       param: str | None) -> None:
     status, _, payload = await anyio.to_thread.run_sync(server.post, path, body)
     assert status == 400
     error = payload["error"]
