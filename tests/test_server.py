@@ -34,19 +34,21 @@ def anyio_backend() -> str:
 
 
 class Server:
-    def __init__(self, model: Path, *options: str) -> None:
+    """``aiollama serve MODEL`` (or another command serving on ``--port``) in a process of its own."""
+
+    def __init__(self, model: Path, *options: str, command: tuple[str, ...] = ("-m", "aiollama", "serve"),
+                 health: str = "/health") -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aiollama", "serve", str(model), "--port", str(self.port),
-             "--log-level", "warning", *options],
+            [sys.executable, *command, str(model), "--port", str(self.port), *options],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir())
         deadline = time.monotonic() + TIMEOUT
         while True:
             try:
-                if self.get("/health")[0] == 200:
+                if self.get(health)[0] == 200:
                     return
             except OSError:
                 pass
@@ -95,7 +97,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_path: Path) -> Iterator[Server]:
-    s = Server(tiny_path, "--n-ctx", "4096", "--n-seq-max", "16", "--model-name", "tiny")
+    s = Server(tiny_path, "--n-ctx", "4096", "--n-seq-max", "16", "--model-name", "tiny", "--log-level", "warning")
     yield s
     s.stop()
 
@@ -248,7 +250,8 @@ async def test_the_openai_client_sees_a_bad_request_error(server: Server) -> Non
 
 
 async def test_overload_answers_503_with_retry_after_and_sigterm_is_graceful(tiny_path: Path) -> None:
-    small = Server(tiny_path, "--n-ctx", "1024", "--n-seq-max", "1", "--max-queued", "1", "--grace", "20")
+    small = Server(tiny_path, "--n-ctx", "1024", "--n-seq-max", "1", "--max-queued", "1", "--grace", "20",
+                   "--log-level", "warning")
     try:
         await overload_then_sigterm(small)
     finally:
@@ -276,6 +279,23 @@ async def overload_then_sigterm(small: Server) -> None:
     # uvicorn re-raises the signal once it has shut down, as process managers expect
     assert await anyio.to_thread.run_sync(small.proc.wait, TIMEOUT) in (0, -signal.SIGTERM)
     assert "Traceback" not in small.output()
+
+
+async def test_the_embedding_example(tiny_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "embed_starlette.py"
+    app = Server(tiny_path, command=(str(example),), health="/openai/health")
+    try:
+        status, _, body = await anyio.to_thread.run_sync(app.post, "/summarize", b'{"text": "Llamas hum."}')
+        assert status == 200 and isinstance(body["summary"], str)
+        status, _, body = await anyio.to_thread.run_sync(app.post, "/summarize", b'{"text": ""}')
+        assert status == 400
+        async with openai.AsyncOpenAI(base_url=app.url + "/openai/v1", api_key="unused", max_retries=0) as client:
+            reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                                         max_tokens=3)
+            assert reply.usage.completion_tokens == 3
+            assert [m.id for m in (await client.models.list()).data] == [tiny_path.stem]
+    finally:
+        app.stop()
 
 
 def test_python_m_aiollama_help() -> None:

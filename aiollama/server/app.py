@@ -53,6 +53,10 @@ class _State:
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.statistics)
 
+    def name(self) -> str:
+        """The model id clients see: as given, else the served file's name."""
+        return self.model_name or (self.engine.model_path.stem if self.engine is not None else "default")
+
     def statistics(self) -> Statistics | None:
         try:
             return None if self.engine is None else self.engine.statistics()
@@ -67,8 +71,6 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
         raise ValueError("pass either an engine or the model and options to build one, not both")
     path = None if model is None else Path(model)
     name = model_name or (path.stem if path is not None else "")
-    if engine is not None and not name:
-        name = engine.model_path.stem
     state = _State(model_name=name, retry_after=retry_after, engine=engine)
 
     @asynccontextmanager
@@ -77,7 +79,6 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
             yield
             return
         model_path = path if path is not None else await anyio.to_thread.run_sync(default_model)
-        state.model_name = state.model_name or model_path.stem
         async with Engine(model_path, **engine_options) as owned:
             state.engine = owned
             try:
@@ -118,9 +119,12 @@ def _error(exc: BadRequest, state: _State) -> JSONResponse:
 
 def _engine(state: _State) -> Engine:
     engine = state.engine
-    if engine is None or not engine.core.usable:
-        raise BadRequest("the engine is not serving", status=503, code="unavailable")
-    return engine
+    try:
+        if engine is not None and engine.core.usable:
+            return engine
+    except AiollamaError:  # not started yet, or closed
+        pass
+    raise BadRequest("the engine is not serving", status=503, code="unavailable")
 
 
 async def _health(state: _State, request: HttpRequest) -> Response:
@@ -134,7 +138,7 @@ async def _metrics(state: _State, request: HttpRequest) -> Response:
 
 async def _models(state: _State, request: HttpRequest) -> Response:
     return JSONResponse({"object": "list", "data": [
-        {"id": state.model_name, "object": "model", "created": 0, "owned_by": "aiollama"}]})
+        {"id": state.name(), "object": "model", "created": 0, "owned_by": "aiollama"}]})
 
 
 async def _body(request: HttpRequest) -> Any:
@@ -212,7 +216,7 @@ def _start(state: _State, req: Request, chat: bool) -> _Job:
     if req.n > 1:
         root.close_nowait()  # the forks hold what they need
     prefix = "chatcmpl-" if chat else "cmpl-"
-    return _Job(prefix + uuid.uuid4().hex, chat, state.model_name, int(time.time()), n_prompt, convs, streams,
+    return _Job(prefix + uuid.uuid4().hex, chat, state.name(), int(time.time()), n_prompt, convs, streams,
                 time.perf_counter())
 
 
