@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,8 @@ async def _run(args: argparse.Namespace) -> int:
     texts = [""] * len(prompts)
     done: list[str | None] = [None] * len(prompts)
     console = Console()
-    async with Engine(model, n_ctx=args.n_ctx, n_seq_max=max(len(prompts), args.n_seq_max)) as engine:
+    async with Engine(model, n_ctx=args.n_ctx, n_seq_max=max(len(prompts), args.n_seq_max),
+                      n_gpu_layers=args.n_gpu_layers) as engine:
         start = time.perf_counter()
         first_tokens = engine.statistics().tokens_generated
 
@@ -83,13 +85,22 @@ async def _run(args: argparse.Namespace) -> int:
                 done[i] = stream.finish_reason
 
         peak = 0
+        recent: deque[tuple[float, int]] = deque([(start, first_tokens)])
 
         def frame() -> Any:
             nonlocal peak
             stats = engine.statistics()
+            now = time.perf_counter()
             peak = max(peak, stats.active)
-            elapsed = max(time.perf_counter() - start, 1e-6)
-            return _display(prompts, texts, done, stats, (stats.tokens_generated - first_tokens) / elapsed, peak)
+            if all(done):  # the whole run
+                since, base = start, first_tokens
+            else:  # the last two seconds
+                recent.append((now, stats.tokens_generated))
+                while len(recent) > 2 and now - recent[1][0] > 2.0:
+                    recent.popleft()
+                since, base = recent[0]
+            rate = (stats.tokens_generated - base) / max(now - since, 1e-6)
+            return _display(prompts, texts, done, stats, rate, peak)
 
         with Live(frame(), console=console, refresh_per_second=10) as live:
             async with anyio.create_task_group() as tg:
@@ -114,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"aiollama serve needs the server extra: pip install 'aiollama[server]' ({exc})", file=sys.stderr)
         return 2
     app = create_app(args.model, model_name=args.model_name, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max,
-                     max_queued=args.max_queued)
+                     max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers)
     # uvicorn stops accepting on SIGTERM/SIGINT, lets requests finish within the grace period, then
     # cancels them; the app's lifespan then closes the engine.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -151,6 +162,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--n-ctx", type=int, default=8192)
     run.add_argument("--n-seq-max", type=int, default=1)
+    run.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload (-1: all)")
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server")
     serve.add_argument("model", nargs="?", type=Path, default=None, help="the GGUF file (default model if omitted)")
@@ -160,6 +172,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--n-ctx", type=int, default=8192)
     serve.add_argument("--n-seq-max", type=int, default=16)
     serve.add_argument("--max-queued", type=int, default=256)
+    serve.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload (-1: all)")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")
     serve.add_argument("--log-level", default="info")
 

@@ -296,11 +296,3 @@ async def test_the_embedding_example(tiny_path: Path) -> None:
             assert [m.id for m in (await client.models.list()).data] == [tiny_path.stem]
     finally:
         app.stop()
-
-
-def test_python_m_aiollama_help() -> None:
-    out = subprocess.run([sys.executable, "-m", "aiollama", "--help"], capture_output=True, text=True,
-                         cwd=tempfile.gettempdir(), env={**os.environ, "COLUMNS": "100"})
-    assert out.returncode == 0
-    for command in ("run", "serve", "bench", "pull"):
-        assert command in out.stdout
