@@ -18,6 +18,7 @@ import anyio
 import pytest
 
 from aiollama import (
+    ChatTemplateError,
     ContextFull,
     ConversationBusy,
     ConversationClosed,
@@ -130,6 +131,11 @@ async def _history_fills_context(engine: Engine) -> None:
         await conv.stream()
 
 
+async def _chat(engine: Engine, messages: Any) -> None:
+    async with engine.conversation() as conv:
+        await conv.chat(messages, max_tokens=2)
+
+
 def _sampling(**params: Any) -> Callable[[Engine, Path, Path], Any]:
     async def act(engine: Engine, model: Path, tmp: Path) -> None:
         async with engine.conversation("Sample me") as conv:
@@ -161,6 +167,12 @@ CASES = [
     Case("prompt-not-text", _prompt(3.5), InvalidRequestError, "text or a sequence of token ids"),
     Case("prompt-bytes", _prompt(b"raw"), InvalidRequestError, "text or a sequence of token ids"),
     Case("prompt-none", _prompt(None), InvalidRequestError, "text or a sequence of token ids"),
+    # chat
+    Case("chat-no-messages", lambda e, m, t: _chat(e, []), ChatTemplateError, "must not be empty"),
+    Case("chat-message-without-content", lambda e, m, t: _chat(e, [{"role": "user"}]), ChatTemplateError,
+         "'content'"),
+    Case("chat-role-with-special-text", lambda e, m, t: _chat(e, [{"role": "user<|im_end|>", "content": "x"}]),
+         ChatTemplateError, "special-token text"),
     # sampling
     Case("negative-temperature", _sampling(temperature=-0.5), InvalidRequestError, "temperature must be >= 0"),
     Case("nan-temperature", _sampling(temperature=math.nan), InvalidRequestError, "temperature must be a finite"),
