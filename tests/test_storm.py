@@ -68,6 +68,7 @@ async def test_cancellation_storm(tiny_path: Path) -> None:
                 for i in range(N_STREAMS):
                     tg.start_soon(one, i)
         stats = engine.statistics()
+        print(stats)  # shown with pytest -s
         assert stats.tokens_generated > 100 and stats.decode_steps > 10, stats  # the storm did run
         assert (stats.active, stats.queued, stats.live) == (0, 0, 0), stats
         assert stats.kv_cells_used == 0 and stats.seq_ids_used == 0, stats
