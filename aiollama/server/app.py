@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -249,6 +249,17 @@ async def _pump(job: _Job, state: _State, send: MemoryObjectSendStream[Item]) ->
             tg.start_soon(one, i, stream)
 
 
+@asynccontextmanager
+async def _items(job: _Job, state: _State) -> AsyncIterator[MemoryObjectReceiveStream[Item]]:
+    """The job's items as they arrive, pumped by tasks that end with the block."""
+    send, receive = anyio.create_memory_object_stream[Item](64)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_pump, job, state, send)
+        async with receive:
+            yield receive
+        tg.cancel_scope.cancel()
+
+
 async def _serve(state: _State, request: HttpRequest, req: Request, chat: bool) -> Response:
     job = _start(state, req, chat)
     if req.stream:
@@ -260,10 +271,8 @@ async def _serve(state: _State, request: HttpRequest, req: Request, chat: bool) 
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
-            send, receive = anyio.create_memory_object_stream[Item](64)
-            tg.start_soon(_pump, job, state, send)
-            async with receive:
-                async for i, item in receive:
+            async with _items(job, state) as items:
+                async for i, item in items:
                     if isinstance(item, AiollamaError):
                         error = item
                         break
@@ -323,24 +332,19 @@ async def _events(job: _Job, state: _State, req: Request) -> AsyncIterator[str]:
         if job.chat:
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for i in range(len(job.streams))])
-        send, receive = anyio.create_memory_object_stream[Item](64)
         error: AiollamaError | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_pump, job, state, send)
-            async with receive:
-                async for i, item in receive:
-                    if isinstance(item, AiollamaError):
-                        error = item
-                        break
-                    if item is None:
-                        finish = FINISH.get(job.streams[i].finish_reason or "", "stop")
-                        yield event([_delta(job, i, "", finish)])
-                    elif item.text:
-                        completion_tokens += len(item.tokens)
+        async with _items(job, state) as items:
+            async for i, item in items:
+                if isinstance(item, AiollamaError):
+                    error = item
+                    break
+                if item is None:
+                    finish = FINISH.get(job.streams[i].finish_reason or "", "stop")
+                    yield event([_delta(job, i, "", finish)])
+                else:
+                    completion_tokens += len(item.tokens)
+                    if item.text:
                         yield event([_delta(job, i, item.text, None)])
-                    else:
-                        completion_tokens += len(item.tokens)
-            tg.cancel_scope.cancel()
         if error is not None:
             yield f"data: {json.dumps(_translate(error).body())}\n\n"
         if req.include_usage:
