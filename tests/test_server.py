@@ -232,7 +232,10 @@ async def test_sixteen_concurrent_clients_and_metrics_under_load(server: Server)
      ("/v1/chat/completions", b'{"messages": [{"role": "user<|im_end|>", "content": "x"}]}', None),
      ("/v1/completions", b'{"prompt": ""}', "prompt"),
      ("/v1/completions", b'{"prompt": [1, 2, 999999999]}', None),
-     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens")],
+     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+     ("/v1/completions", b'{"prompt": "x", "logprobs": 2}', "logprobs"),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+      "tools")],
 )
 async def test_malformed_requests_get_openai_style_400(server: Server, path: str, body: bytes,
                                                        param: str | None) -> None:

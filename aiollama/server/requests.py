@@ -94,9 +94,19 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
     return params
 
 
+UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "echo", "suffix", "response_format")
+
+
 def _common(body: Any, default_max_tokens: int | None) -> Request:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    for name in UNSUPPORTED:  # refused rather than silently ignored: the answer would not be what was asked
+        value = body.get(name)
+        if value not in (None, False, [], {}) and not (name == "response_format" and value == {"type": "text"}):
+            raise BadRequest(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+    if (body.get("best_of") or 1) != 1:
+        raise BadRequest("'best_of' is not supported by this server; use 'n'", param="best_of",
+                         code="unsupported_parameter")
     n = _integer(body, "n", 1, MAX_N)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
