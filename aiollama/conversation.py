@@ -403,7 +403,9 @@ class Conversation(_ConversationBase):
         Raises:
             ChatTemplateError: a malformed message, a role with special-token text, or messages the
                 template refuses.
-            ConversationBusy, InvalidRequestError, ContextFull, and what ``stream()`` raises.
+            ConversationBusy, InvalidRequestError, ContextFull, and what ``stream()`` raises. If
+            ``stream()`` raises (``Overloaded``), the turn stays appended: call ``stream()`` later
+            for the reply.
         """
         self._chat_turn(messages, params)
         stream = self.stream(**params)
