@@ -131,7 +131,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 tg.start_soon(load.client, deadline)
         final = engine.statistics()
     return {
-        "machine": machine(), "model": str(args.model), "minutes": args.minutes, "clients": args.clients,
+        "machine": machine(), "model": Path(args.model).name, "minutes": args.minutes, "clients": args.clients,
         "completed": dict(load.done), "errors": load.errors, "tokens": load.tokens, "samples": samples,
         "final": {k: getattr(final, k) for k in ("live", "active", "queued", "kv_cells_used", "seq_ids_used",
                                                  "tokens_generated", "decode_steps", "aborted_steps")},
