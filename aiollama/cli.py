@@ -118,18 +118,14 @@ async def _run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from aiollama.server import create_app
+        from aiollama.server.run import serve
     except ImportError as exc:
         print(f"aiollama serve needs the server extra: pip install 'aiollama[server]' ({exc})", file=sys.stderr)
         return 2
     app = create_app(args.model, model_name=args.model_name, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max,
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers)
-    # uvicorn stops accepting on SIGTERM/SIGINT, lets requests finish within the grace period, then
-    # cancels them; the app's lifespan then closes the engine.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.grace)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
 
 

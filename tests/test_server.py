@@ -299,3 +299,19 @@ async def test_the_embedding_example(tiny_path: Path) -> None:
             assert [m.id for m in (await client.models.list()).data] == [tiny_path.stem]
     finally:
         app.stop()
+
+
+async def test_streams_past_the_grace_period_end_with_an_error_event(tiny_path: Path) -> None:
+    short = Server(tiny_path, "--n-ctx", "4096", "--grace", "1", "--log-level", "warning")
+    try:
+        async with short.client() as client:
+            stream = await client.completions.create(model="x", prompt="Go on", max_tokens=3500, stream=True)
+            await stream.__anext__()
+            short.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(openai.APIError, match="engine was closed"):
+                async for _ in stream:
+                    pass
+        assert await anyio.to_thread.run_sync(short.proc.wait, TIMEOUT) in (0, -signal.SIGTERM)
+        assert "Traceback" not in short.output()
+    finally:
+        short.stop()

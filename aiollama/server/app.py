@@ -57,6 +57,14 @@ class _State:
         """The model id clients see: as given, else the served file's name."""
         return self.model_name or (self.engine.model_path.stem if self.engine is not None else "default")
 
+    owns_engine: bool = False
+
+    async def close_engine(self) -> None:
+        """End what still runs (streams get an error event, requests a 503) by closing an engine
+        this app owns; an engine the caller owns is left alone."""
+        if self.owns_engine and self.engine is not None:
+            await self.engine.aclose()
+
     def statistics(self) -> Statistics | None:
         try:
             return None if self.engine is None else self.engine.statistics()
@@ -71,7 +79,7 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
         raise ValueError("pass either an engine or the model and options to build one, not both")
     path = None if model is None else Path(model)
     name = model_name or (path.stem if path is not None else "")
-    state = _State(model_name=name, retry_after=retry_after, engine=engine)
+    state = _State(model_name=name, retry_after=retry_after, engine=engine, owns_engine=engine is None)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
