@@ -264,10 +264,12 @@ class Engine(_EngineBase):
 
     ``async with Engine(path, ...) as engine`` loads the model (``path`` None means the default
     model, fetched on first use) and starts the decode thread; leaving the block ends running
-    generations (their streams raise ``EngineClosed``) and frees everything. ``step_tokens`` is the per-step token budget: decode rows of
-    running streams go first, prompt chunks share the rest, so a long prompt never stalls streams.
-    ``max_queued`` bounds the generations waiting for a seq id; beyond it ``stream()`` raises
-    ``Overloaded``.
+    generations (their streams raise ``EngineClosed``) and frees everything, and raises
+    ``EngineDead`` if the decode thread had failed. The engine belongs to the event loop that
+    started it (elsewhere: ``WrongEventLoop``). ``step_tokens`` is the per-step token budget: decode
+    rows of running streams go first, prompt chunks share the rest, so a long prompt never stalls
+    streams. ``max_queued`` bounds the generations waiting for a seq id; beyond it ``stream()``
+    raises ``Overloaded``.
     """
 
     async def __aenter__(self) -> Engine:
