@@ -93,8 +93,9 @@ class ChatTemplate:
     """
 
     def __init__(self, source: str | None, *, bos_token: str, eos_token: str,
-                 builtin: Callable[[list[dict[str, str]], bool], str]) -> None:
+                 builtin: Callable[[list[dict[str, str]], bool], str], eog_texts: Sequence[str] = ()) -> None:
         self.source = source
+        self.eog_texts = [t for t in eog_texts if t]  # texts of the tokens that end a reply
         self._vars = {"bos_token": bos_token, "eos_token": eos_token}
         self._builtin = builtin
         self._jinja: Any = None

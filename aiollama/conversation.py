@@ -285,7 +285,7 @@ class _ConversationBase:
             rendered = full[at + len(REPLY):]
             if self._reply is not None and self._reply.finish_reason == "eog":
                 # the reply's end-of-generation token is already in the conversation
-                rendered = next((rendered[len(t):] for t in core.eog_texts if t and rendered.startswith(t)),
+                rendered = next((rendered[len(t):] for t in template.eog_texts if rendered.startswith(t)),
                                 rendered)
         tokens = core.chat_tokens(segments(rendered, contents), first=self._fresh)
         if not tokens:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import bisect
-import itertools
 import queue
 import threading
 import time
@@ -84,7 +83,7 @@ class Statistics:
     aborted_steps: int = 0  # decodes interrupted by a cancel (their partial KV is kept consistent)
     decode_seconds: float = 0.0  # inside llama_decode
     step_seconds: float = 0.0  # whole steps: planning, batch filling, decode, sampling, delivery
-    step_histogram: tuple[int, ...] = ()  # steps per STEP_BUCKETS bound (cumulative), then all steps
+    step_histogram: tuple[int, ...] = ()  # steps per STEP_BUCKETS interval, the last one unbounded
 
     @property
     def python_overhead(self) -> float:
@@ -471,7 +470,7 @@ class DecodeLoop:
             live=c.live, active=c.active, queued=c.queued, kv_cells_used=c.kv_cells_used,
             kv_cells_total=c.kv_cells_total, seq_ids_used=c.seq_ids_used,
             n_seq_max=self.config.n_seq_max if self._ctx is None else self._ctx.n_seq_max,
-            step_histogram=tuple(itertools.accumulate(self._step_counts)),
+            step_histogram=tuple(self._step_counts),
             **vars(self._counters))  # a flat copy; asdict would deep-copy every step
 
     def _die(self, exc: BaseException) -> None:

@@ -18,11 +18,10 @@ from typing import Any
 
 import anyio
 
-from aiollama.commands import NewConversation
+from aiollama.chat import ChatTemplate, Segment
+from aiollama.commands import NewConversation, Portal
 from aiollama.conversation import Completion, Conversation, SyncConversation
 from aiollama.decode_loop import DecodeLoop, EngineConfig, Statistics
-from aiollama.chat import ChatTemplate, Segment
-from aiollama.commands import Portal
 from aiollama.errors import (
     ChatTemplateError,
     ClosedError,
@@ -54,7 +53,6 @@ class EngineCore:
         self.vocab: Vocab | None = None
         self.owner: Any = None  # the event loop (or trio token) of an async engine
         self._chat_template: ChatTemplate | None = None
-        self.eog_texts: list[str] = []
 
     def check_loop(self) -> Portal:
         """The caller's portal; WrongEventLoop if an async engine is used outside its own loop."""
@@ -140,7 +138,6 @@ class EngineCore:
             with self._pinned_vocab() as vocab:
                 source = vocab._model.chat_template()
                 texts = {t: vocab.token_text(t) for t in (vocab.bos, vocab.eos, vocab.eot) if t >= 0}
-            self.eog_texts = [texts[t] for t in (vocab.eot, vocab.eos) if t in texts]
 
             def builtin(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
                 with self._pinned_vocab() as v:
@@ -151,17 +148,19 @@ class EngineCore:
                         return v.apply_chat_template(messages, template="chatml",
                                                      add_assistant=add_generation_prompt)
 
-            self._chat_template = ChatTemplate(source, bos_token=texts.get(vocab.bos, ""),
-                                               eos_token=texts.get(vocab.eos, ""), builtin=builtin)
+            self._chat_template = ChatTemplate(
+                source, bos_token=texts.get(vocab.bos, ""), eos_token=texts.get(vocab.eos, ""), builtin=builtin,
+                eog_texts=[texts[t] for t in (vocab.eot, vocab.eos) if t in texts])
         return self._chat_template
 
     def chat_tokens(self, parts: list[Segment], *, first: bool) -> list[int]:
         """Tokens of rendered chat text: template text with special tokens, caller text without."""
         out: list[int] = []
+        bos = self.vocab.bos if self.vocab is not None else -1
         for i, part in enumerate(parts):
             add_bos = first and i == 0 and part.template
             tokens = self.tokenize(part.text, add_special=add_bos, special=part.template)
-            if add_bos and len(tokens) > 1 and self.vocab is not None and tokens[0] == tokens[1] == self.vocab.bos:
+            if add_bos and len(tokens) > 1 and tokens[0] == tokens[1] == bos:
                 tokens = tokens[1:]  # the template wrote BOS itself
             out += tokens
         return out

@@ -7,10 +7,11 @@ Nothing here is thread-safe: one context belongs to one thread at a time.
 """
 
 from aiollama.native.batch import Batch
-from aiollama.native.handle import open_handles
 from aiollama.native.context import Context, DecodeStatus
+from aiollama.native.handle import open_handles
 from aiollama.native.model import Model, Vocab
 from aiollama.native.sampler import SamplerChain
 from aiollama.native.threads import available_cpus
 
-__all__ = ["Batch", "Context", "DecodeStatus", "Model", "SamplerChain", "Vocab", "available_cpus", "open_handles"]
+__all__ = ["Batch", "Context", "DecodeStatus", "Model", "SamplerChain", "Vocab", "available_cpus",
+           "open_handles"]

@@ -38,7 +38,7 @@ class Batch(Handle):
             raise InvalidRequestError(f"n_seq_max must be in [1, {MAX_SEQ}], got {n_seq_max}")
         self.capacity = capacity
         self.n_seq_max = n_seq_max
-        self._ptr = lib.llama_batch_init(capacity, 0, n_seq_max)
+        self._own(lib.llama_batch_init(capacity, 0, n_seq_max))
         self.clear()
 
     def _free(self, ptr: Any) -> None:

@@ -133,7 +133,7 @@ class Context(Handle):
             model._release()
             why = "; ".join(recent_errors()) or "no reason given"
             raise AiollamaError(f"llama.cpp could not create a context: {why}")
-        self._ptr = ptr
+        self._own(ptr)
         self.model = model
         self.vocab: Vocab = model.vocab
         self._memory = lib.llama_get_memory(ptr)

@@ -26,25 +26,19 @@ def open_handles() -> dict[str, int]:
 
 
 class Handle:
-    """Owns one native resource. Subclasses set ``_ptr`` and implement ``_free``.
+    """Owns one native resource. Subclasses hand it to ``_own`` and implement ``_free``.
 
     ``__del__`` never frees native memory: freeing from the garbage collector would run on an
     arbitrary thread, possibly while another thread uses the resource. It only warns.
     """
 
     _kind = "handle"
-    _held: Any = None
+    _ptr: Any = None
 
-    @property
-    def _ptr(self) -> Any:
-        return self._held
-
-    @_ptr.setter
-    def _ptr(self, ptr: Any) -> None:
-        change = (ptr is not None) - (self._held is not None)
-        if change:
-            count(self._kind, change)
-        self._held = ptr
+    def _own(self, ptr: Any) -> None:
+        """Take ownership of a freshly allocated native resource (counted in ``open_handles``)."""
+        self._ptr = ptr
+        count(self._kind, 1)
 
     @property
     def closed(self) -> bool:
@@ -60,6 +54,7 @@ class Handle:
         """Free the native resource. Calling it again does nothing."""
         ptr, self._ptr = self._ptr, None
         if ptr is not None:
+            count(self._kind, -1)
             self._free(ptr)
 
     def _free(self, ptr: Any) -> None:

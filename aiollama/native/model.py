@@ -74,8 +74,6 @@ class Model(Handle):
         self.n_layer: int = lib.llama_model_n_layer(ptr)
         self.is_recurrent: bool = bool(lib.llama_model_is_recurrent(ptr) or lib.llama_model_is_hybrid(ptr))
 
-    _ptr: Any = None  # a plain attribute here: the native model is counted in _native's lifetime
-
     # Lifetime: _ptr is the caller's view (None once closed); _native is freed only when the
     # caller has closed the model and no dependent handle holds it any more.
     def close(self) -> None:

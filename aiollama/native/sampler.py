@@ -46,7 +46,7 @@ class SamplerChain(Handle):
         vocab._model._acquire_native()
         params = lib.llama_sampler_chain_default_params()
         params.no_perf = no_perf
-        self._ptr = lib.llama_sampler_chain_init(params)
+        self._own(lib.llama_sampler_chain_init(params))
         self._grammar: Any = None  # the grammar sampler inside the chain, if any
         self.names: list[str] = []
 
@@ -168,7 +168,7 @@ class SamplerChain(Handle):
         twin = SamplerChain.__new__(SamplerChain)
         twin.vocab = self.vocab
         self.vocab._model._acquire_native()
-        twin._ptr = lib.llama_sampler_clone(chain)
+        twin._own(lib.llama_sampler_clone(chain))
         twin.names = list(self.names)
         twin._grammar = None
         if self._grammar is not None:

@@ -3,6 +3,7 @@ time to first token (observed by the server) and step time (kept by the decode t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -34,8 +35,9 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("aiollama_tokens_out", "Tokens generated", value=s.tokens_generated)
         yield CounterMetricFamily("aiollama_decode_steps", "Decode steps", value=s.decode_steps)
         if s.step_histogram:
-            buckets = [(str(b), n) for b, n in zip(STEP_BUCKETS, s.step_histogram)]
-            buckets.append(("+Inf", s.step_histogram[-1]))
+            cumulative = list(itertools.accumulate(s.step_histogram))
+            buckets = [(str(b), n) for b, n in zip(STEP_BUCKETS, cumulative)]
+            buckets.append(("+Inf", cumulative[-1]))
             yield HistogramMetricFamily("aiollama_step_seconds", "Time of one decode step",
                                         buckets=buckets, sum_value=s.step_seconds)
 
