@@ -44,6 +44,12 @@ enum llama_vocab_type {
     LLAMA_VOCAB_TYPE_NONE, LLAMA_VOCAB_TYPE_SPM, LLAMA_VOCAB_TYPE_BPE, LLAMA_VOCAB_TYPE_WPM,
     LLAMA_VOCAB_TYPE_UGM, LLAMA_VOCAB_TYPE_RWKV, LLAMA_VOCAB_TYPE_PLAMO2, LLAMA_VOCAB_TYPE_TEST, ...
 };
+enum llama_token_attr {
+    LLAMA_TOKEN_ATTR_UNDEFINED, LLAMA_TOKEN_ATTR_UNKNOWN, LLAMA_TOKEN_ATTR_UNUSED, LLAMA_TOKEN_ATTR_NORMAL,
+    LLAMA_TOKEN_ATTR_CONTROL, LLAMA_TOKEN_ATTR_USER_DEFINED, LLAMA_TOKEN_ATTR_BYTE,
+    LLAMA_TOKEN_ATTR_NORMALIZED, LLAMA_TOKEN_ATTR_LSTRIP, LLAMA_TOKEN_ATTR_RSTRIP,
+    LLAMA_TOKEN_ATTR_SINGLE_WORD, ...
+};
 enum llama_split_mode {
     LLAMA_SPLIT_MODE_NONE, LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_ROW, LLAMA_SPLIT_MODE_TENSOR, ...
 };
@@ -214,6 +220,7 @@ size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src,
 enum llama_vocab_type llama_vocab_type(const struct llama_vocab * vocab);
 int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
 const char * llama_vocab_get_text(const struct llama_vocab * vocab, llama_token token);
+enum llama_token_attr llama_vocab_get_attr(const struct llama_vocab * vocab, llama_token token);
 bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
 bool llama_vocab_is_control(const struct llama_vocab * vocab, llama_token token);
 llama_token llama_vocab_bos(const struct llama_vocab * vocab);

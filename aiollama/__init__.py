@@ -25,7 +25,9 @@ _EXPORTS = {
     "Stream": "aiollama.conversation",
     "SyncConversation": "aiollama.conversation",
     "SyncStream": "aiollama.conversation",
-    "Statistics": "aiollama.decode_loop",
+    "EngineConfig": "aiollama.boundary",
+    "FinishReason": "aiollama.boundary",
+    "Statistics": "aiollama.boundary",
     "Engine": "aiollama.engine",
     "SyncEngine": "aiollama.engine",
     "SamplingParams": "aiollama.sampling",
@@ -35,6 +37,7 @@ _EXPORTS = {
     "AiollamaError": "aiollama.errors",
     "ChatTemplateError": "aiollama.errors",
     "ClosedError": "aiollama.errors",
+    "ContextCreateError": "aiollama.errors",
     "ContextFull": "aiollama.errors",
     "ConversationBusy": "aiollama.errors",
     "ConversationClosed": "aiollama.errors",
@@ -47,8 +50,12 @@ _EXPORTS = {
     "InvalidRequestError": "aiollama.errors",
     "InvalidSeqIdError": "aiollama.errors",
     "InvalidTokenError": "aiollama.errors",
+    "ModelIsADirectory": "aiollama.errors",
     "ModelLoadError": "aiollama.errors",
+    "ModelNotFound": "aiollama.errors",
     "Overloaded": "aiollama.errors",
+    "StateRestoreError": "aiollama.errors",
+    "UnsupportedModel": "aiollama.errors",
     "WrongEventLoop": "aiollama.errors",
 }
 
@@ -68,29 +75,54 @@ def __dir__() -> list[str]:
     return sorted(list(globals()) + __all__)
 
 
-if TYPE_CHECKING:
-    from aiollama.conversation import Chunk, Completion, Conversation, Stream, SyncConversation, SyncStream
-    from aiollama.decode_loop import Statistics
-    from aiollama.engine import Engine, SyncEngine
-    from aiollama.errors import (
-        AiollamaError,
-        ChatTemplateError,
-        ClosedError,
-        ContextFull,
-        ConversationBusy,
-        ConversationClosed,
-        DecodeError,
-        EngineClosed,
-        EngineDead,
-        GrammarError,
-        InvalidBatchError,
-        InvalidOutputError,
-        InvalidRequestError,
-        InvalidSeqIdError,
-        InvalidTokenError,
-        ModelLoadError,
-        Overloaded,
-        WrongEventLoop,
+if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS agree
+    from aiollama.boundary import (
+        EngineConfig as EngineConfig,
+        FinishReason as FinishReason,
+        Statistics as Statistics,
     )
-    from aiollama.models import cache_dir, default_model, pull
-    from aiollama.sampling import SamplingParams
+    from aiollama.conversation import (
+        Chunk as Chunk,
+        Completion as Completion,
+        Conversation as Conversation,
+        Stream as Stream,
+        SyncConversation as SyncConversation,
+        SyncStream as SyncStream,
+    )
+    from aiollama.engine import (
+        Engine as Engine,
+        SyncEngine as SyncEngine,
+    )
+    from aiollama.errors import (
+        AiollamaError as AiollamaError,
+        ChatTemplateError as ChatTemplateError,
+        ClosedError as ClosedError,
+        ContextCreateError as ContextCreateError,
+        ContextFull as ContextFull,
+        ConversationBusy as ConversationBusy,
+        ConversationClosed as ConversationClosed,
+        DecodeError as DecodeError,
+        EngineClosed as EngineClosed,
+        EngineDead as EngineDead,
+        GrammarError as GrammarError,
+        InvalidBatchError as InvalidBatchError,
+        InvalidOutputError as InvalidOutputError,
+        InvalidRequestError as InvalidRequestError,
+        InvalidSeqIdError as InvalidSeqIdError,
+        InvalidTokenError as InvalidTokenError,
+        ModelIsADirectory as ModelIsADirectory,
+        ModelLoadError as ModelLoadError,
+        ModelNotFound as ModelNotFound,
+        Overloaded as Overloaded,
+        StateRestoreError as StateRestoreError,
+        UnsupportedModel as UnsupportedModel,
+        WrongEventLoop as WrongEventLoop,
+    )
+    from aiollama.models import (
+        cache_dir as cache_dir,
+        default_model as default_model,
+        pull as pull,
+    )
+    from aiollama.sampling import (
+        SamplingParams as SamplingParams,
+    )

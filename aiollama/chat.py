@@ -1,9 +1,12 @@
 """Chat templates: the model's own Jinja template in a sandbox, llama.cpp's built-ins as a fallback.
 
 Caller text never becomes control tokens. A template is rendered with a placeholder in place of
-each message's content; the rendered text between placeholders is the template's own and is
-tokenized with special tokens parsed, while the contents are tokenized as plain text. Roles may
-not contain special-token text at all.
+each message's content, so the special tokens the template itself wrote can be told apart from
+text that merely looks like one. The rendered text is then split only at the template's special
+tokens, and everything between them (template text and contents together) is tokenized in one
+piece as plain text: the tokens are exactly those of tokenizing the whole rendered prompt with
+special tokens parsed, as llama-server does, whenever the contents hold no special-token text.
+Roles may not contain special-token text at all.
 
 Multi-turn chat appends: each turn renders the messages so far plus the new ones, and only the text
 after the previous assistant reply (the end of that reply's turn, the new messages and the
@@ -13,6 +16,7 @@ generation prompt) is appended, so earlier turns are never evaluated again.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from aiollama.errors import ChatTemplateError
+from aiollama.step import SpecialToken, Tokenizer
 
 
 _CONTENT = "\ue000{}\ue001"  # private-use characters: no tokenizer or template gives them meaning
@@ -27,6 +32,9 @@ _CONTENT_RE = re.compile("\ue000([0-9]+)\ue001")
 REPLY = "\ue002"  # stands for the previous assistant reply, which is already in the conversation
 
 Messages = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+_ASCII_SPACE = " \t\n\v\f\r"  # what C's isspace() strips
+log = logging.getLogger("aiollama.chat")
 
 
 def normalize(messages: Messages) -> list[dict[str, str]]:
@@ -83,6 +91,59 @@ def segments(rendered: str, contents: list[str]) -> list[Segment]:
     return out
 
 
+def _split(text: str, specials: Sequence[SpecialToken]) -> list[str | SpecialToken]:
+    """``text`` cut at every occurrence of the given special tokens, trying them in order (longest
+    first), as llama.cpp's tokenizer partitions text before tokenizing the pieces."""
+    parts: list[str | SpecialToken] = [text]
+    for special in specials:
+        out: list[str | SpecialToken] = []
+        for part in parts:
+            if isinstance(part, str) and special.text in part:
+                pieces = part.split(special.text)
+                for i, piece in enumerate(pieces):
+                    if i:
+                        out.append(special)
+                    if piece:
+                        out.append(piece)
+            else:
+                out.append(part)
+        parts = out
+    return parts
+
+
+def chat_tokens(tokenizer: Tokenizer, parts: Sequence[Segment], *, first: bool) -> list[int]:
+    """Token ids of rendered chat text: split at the special tokens of the template's own text only,
+    and the text between them (template text and caller content alike) tokenized in one piece
+    without parsing special tokens. ``first``: the conversation is new, so BOS comes first when the
+    model asks for it (once, also when the template wrote it)."""
+    template_text = "".join(p.text for p in parts if p.template)
+    specials = [t for t in tokenizer.special_tokens() if t.control and t.text in template_text]
+    fragments: list[str | SpecialToken] = []
+    for part in parts:
+        for piece in _split(part.text, specials) if part.template else [part.text]:
+            if isinstance(piece, str) and fragments and isinstance(fragments[-1], str):
+                fragments[-1] += piece
+            else:
+                fragments.append(piece)
+    for i, frag in enumerate(fragments):  # llama.cpp drops whitespace beside lstrip/rstrip tokens
+        if isinstance(frag, SpecialToken):
+            before = fragments[i - 1] if i > 0 else None
+            after = fragments[i + 1] if i + 1 < len(fragments) else None
+            if frag.lstrip and isinstance(before, str):
+                fragments[i - 1] = before.rstrip(_ASCII_SPACE)
+            if frag.rstrip and isinstance(after, str):
+                fragments[i + 1] = after.lstrip(_ASCII_SPACE)
+    tokens: list[int] = []
+    for frag in fragments:
+        if isinstance(frag, SpecialToken):
+            tokens.append(frag.id)
+        elif frag:
+            tokens += tokenizer.tokenize(frag, add_special=False, special=False)
+    if first and tokenizer.add_bos and tokenizer.bos >= 0 and tokens[:1] != [tokenizer.bos]:
+        tokens.insert(0, tokenizer.bos)
+    return tokens
+
+
 class ChatTemplate:
     """Renders messages to text with the model's template.
 
@@ -104,7 +165,9 @@ class ChatTemplate:
             try:
                 self._jinja = _compile(source)
                 self.kind = "jinja"
-            except Exception:  # noqa: BLE001 - a template Jinja2 cannot compile: use the fallback
+            except Exception as exc:  # noqa: BLE001 - a template Jinja2 cannot compile: use the fallback
+                log.warning("the model's chat template does not compile (%r); using llama.cpp's built-in "
+                            "template", exc)
                 self._jinja = None
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
@@ -114,8 +177,8 @@ class ChatTemplate:
                                               **self._vars))
             except _Refused as exc:
                 raise ChatTemplateError(f"the chat template refuses these messages: {exc}") from None
-            except Exception:  # noqa: BLE001 - a template bug, not the caller's: fall back
-                pass
+            except Exception as exc:  # noqa: BLE001 - a template bug, not the caller's: fall back
+                log.warning("the model's chat template failed (%r); using llama.cpp's built-in template", exc)
         return self._builtin(messages, add_generation_prompt)
 
 

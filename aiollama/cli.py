@@ -60,7 +60,7 @@ async def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from aiollama.engine import Engine
+    from aiollama import Engine
 
     model, prompts = _model_and_prompts(args.words)
     if args.model is not None:

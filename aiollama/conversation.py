@@ -5,23 +5,26 @@ generates a continuation of everything prompted and generated so far; ``fork()``
 branches share the KV cells of their common prefix. Every call only queues a command for the decode
 thread; none of this code calls into llama.cpp, except the tokenizer, which is thread-safe.
 
-Forking a conversation while it streams branches it at the decode thread's current position: the
-child holds every token generated so far, including any not yet delivered to the stream.
-Prompting a conversation while it streams appends after that generation ends.
+A conversation knows its own history (``tokens``) as it was delivered to its caller: prompts as
+they are given, generated tokens as their chunks arrive. Forking a conversation while it streams
+branches it at what the stream has yielded so far. Prompting a conversation while it streams
+appends after that generation ends.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
+from aiollama.boundary import Cancel, Close, Delta, FinishReason, Fork, Generate, Item, Prompt
 from aiollama.chat import REPLY, Messages, normalize, protect, segments
-from aiollama.commands import Cancel, Close, Delta, Fork, Generate, Prompt
+from aiollama.client import EngineClient
 from aiollama.errors import (
     ChatTemplateError,
     ContextFull,
@@ -33,9 +36,6 @@ from aiollama.errors import (
 from aiollama.portal import AsyncSink, ThreadSink
 from aiollama.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from aiollama.engine import EngineCore
-
 
 @dataclass(frozen=True)
 class Chunk:
@@ -43,16 +43,80 @@ class Chunk:
 
     text: str
     tokens: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole generation: ``finish_reason`` is "eog", "stop", "length" or "cancelled"."""
+    """A whole generation: ``finish_reason`` is EOG, STOP, LENGTH or CANCELLED."""
 
     text: str
     tokens: list[int]
-    finish_reason: str
+    finish_reason: FinishReason
+
+
+class _History:
+    """A conversation's tokens as its caller knows them.
+
+    Generated tokens join as their items are delivered to the consumer's event loop (or thread),
+    whether or not anyone reads the stream. Prompts given while a generation is in flight wait
+    until its last item arrives, as they do on the decode thread, so the order here is the order
+    there. ``unread`` counts tokens of the generation in flight that its stream has not yielded yet:
+    a fork branches before them. Items arrive on the consumer's event loop, or on the decode thread
+    for ``SyncEngine``: hence the lock.
+    """
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.tokens: list[int] = list(tokens)
+        self._waiting: list[Sequence[int]] | None = None  # None: no generation in flight
+        self._unread = 0
+        self._lock = threading.Lock()
+
+    def prompt(self, tokens: Sequence[int]) -> None:
+        with self._lock:
+            if self._waiting is None:
+                self.tokens.extend(tokens)
+            else:
+                self._waiting.append(tokens)
+
+    def generating(self) -> None:
+        with self._lock:
+            self._waiting = []
+            self._unread = 0
+
+    def take(self, item: Item) -> None:
+        """An item was delivered: its tokens join the history; the last one releases the prompts."""
+        if isinstance(item, Delta):
+            with self._lock:
+                self.tokens.extend(item.history)
+                self._unread += len(item.history)
+            if item.finish_reason is not None or item.error is not None:
+                self.release()
+
+    def read(self, item: Item) -> None:
+        """The stream yielded an item to its reader."""
+        if isinstance(item, Delta):
+            with self._lock:
+                self._unread = max(0, self._unread - len(item.history))
+
+    def release(self) -> None:
+        """No generation is in flight any more: the prompts that waited join the history."""
+        with self._lock:
+            for tokens in self._waiting or ():
+                self.tokens.extend(tokens)
+            self._waiting = None
+            self._unread = 0
+
+    def snapshot(self) -> tuple[list[int], list[Sequence[int]]]:
+        """The tokens known now, and the prompts still waiting for the generation to end."""
+        with self._lock:
+            return list(self.tokens), list(self._waiting or ())
+
+    def branch(self) -> tuple[list[int], list[Sequence[int]]]:
+        """Where a fork starts: the tokens up to what a running stream has yielded, and the prompts
+        waiting for that generation."""
+        with self._lock:
+            return self.tokens[:len(self.tokens) - self._unread], list(self._waiting or ())
 
 
 @dataclass
@@ -61,12 +125,14 @@ class _Collector:
 
     parts: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
-    def take(self, delta: Delta) -> Chunk | None:
+    def take(self, item: Item) -> Chunk | None:
         """Record a delta; return the chunk to hand out, or None when there is nothing left."""
+        assert isinstance(item, Delta)
+        delta = item
         if delta.error is not None:
-            self.finish_reason = self.finish_reason or "error"
+            self.finish_reason = self.finish_reason or FinishReason.ERROR
             raise delta.error
         self.parts.append(delta.text)
         self.tokens.extend(delta.tokens)
@@ -81,7 +147,7 @@ class _Collector:
         return self.finish_reason is not None
 
     def completion(self) -> Completion:
-        return Completion("".join(self.parts), list(self.tokens), self.finish_reason or "cancelled")
+        return Completion("".join(self.parts), list(self.tokens), self.finish_reason or FinishReason.CANCELLED)
 
 
 class _StreamBase:
@@ -91,7 +157,7 @@ class _StreamBase:
         self._cancelled = False
 
     def cancel(self) -> None:
-        """Ask the engine to end this generation; the stream then finishes with "cancelled"."""
+        """Ask the engine to end this generation; the stream then finishes with CANCELLED."""
         if not self._result.done:
             self._cancelled = True
             self._conv._cancel()
@@ -102,12 +168,13 @@ class _StreamBase:
 
     def _abandon(self) -> None:
         if not self._result.done:
-            self._result.finish_reason = "cancelled"
+            self._result.finish_reason = FinishReason.CANCELLED
             self._cancelled = True
             self._conv._cancel()
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
+        """None while it runs; then how it ended (ERROR if it raised)."""
         return self._result.finish_reason
 
     def __del__(self) -> None:
@@ -137,6 +204,7 @@ class Stream(_StreamBase):
             except BaseException:
                 self._abandon()
                 raise
+            self._conv._history.read(delta)
             chunk = self._result.take(delta)
             if chunk is not None:
                 return chunk
@@ -181,6 +249,7 @@ class SyncStream(_StreamBase):
             except BaseException:
                 self._abandon()
                 raise
+            self._conv._history.read(delta)
             chunk = self._result.take(delta)
             if chunk is not None:
                 return chunk
@@ -207,10 +276,10 @@ _C = TypeVar("_C", bound="_ConversationBase")
 
 
 class _ConversationBase:
-    def __init__(self, core: EngineCore, conv_id: int, *, fresh: bool) -> None:
+    def __init__(self, core: EngineClient, conv_id: int, *, tokens: Sequence[int] = ()) -> None:
         self._core = core
         self.id = conv_id
-        self._fresh = fresh  # no token yet: the first text prompt gets BOS if the model wants it
+        self._history = _History(tokens)
         self._closed = False
         self._last_stream: weakref.ref[_StreamBase] | None = None
         self._chat: list[dict[str, str]] | None = None  # messages so far; None before the first chat()
@@ -224,6 +293,22 @@ class _ConversationBase:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The conversation's history as delivered to its caller: every prompt, and every token
+        generated (an end-of-generation token too) once its chunk has arrived. Prompts given while a
+        stream runs follow that stream's tokens, once it has ended."""
+        known, waiting = self._history.snapshot()
+        return tuple(known + [t for tokens in waiting for t in tokens])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def _fresh(self) -> bool:
+        """No token yet: the first text prompt gets BOS if the model wants it."""
+        return not self._history.tokens and not self._history.snapshot()[1]
 
     def prompt(self, content: str | Sequence[int], *, special: bool = False) -> None:
         """Append text or token ids to the conversation. Never blocks.
@@ -248,8 +333,8 @@ class _ConversationBase:
         if len(tokens) >= n_ctx:
             raise ContextFull(f"a prompt of {len(tokens)} tokens does not fit a context of {n_ctx} "
                               "with room to generate")
-        self._fresh = False
         self._core.send(Prompt(self.id, tuple(tokens)))
+        self._history.prompt(tokens)
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -283,7 +368,7 @@ class _ConversationBase:
                 raise ChatTemplateError("the chat template drops the previous assistant reply, so a turn "
                                         "cannot be appended; start a new conversation with all messages")
             rendered = full[at + len(REPLY):]
-            if self._reply is not None and self._reply.finish_reason == "eog":
+            if self._reply is not None and self._reply.finish_reason is FinishReason.EOG:
                 # the reply's end-of-generation token is already in the conversation
                 rendered = next((rendered[len(t):] for t in template.eog_texts if rendered.startswith(t)),
                                 rendered)
@@ -308,11 +393,15 @@ class _ConversationBase:
     def fork(self: _C) -> _C:
         """A new conversation with this one's history, sharing its KV prefix. Never blocks.
 
-        Forking while a stream runs branches at the decode thread's current position.
+        Forking while a stream runs branches at what that stream has yielded to its reader so far;
+        prompts given meanwhile follow there too.
         """
         self._check()
-        child = type(self)(self._core, self._core.new_id(), fresh=self._fresh)
-        self._core.send(Fork(self.id, child.id))
+        known, waiting = self._history.branch()
+        child = type(self)(self._core, self._core.new_id(), tokens=known)
+        self._core.send(Fork(self.id, child.id, len(known)))
+        for tokens in waiting:
+            child._append(list(tokens))
         if self._chat is not None:
             child._chat = [dict(m) for m in self._chat]
             reply = self._reply
@@ -325,13 +414,15 @@ class _ConversationBase:
         self._check()
         sampling = SamplingParams.from_kwargs(**params)
         self._check_idle()
-        admission = self._core.loop.admission
+        admission = self._core.admission
         if not admission.enter():
             raise Overloaded(f"{admission.limit} generations are already waiting (max_queued); retry later")
+        self._history.generating()  # before the command: its answer may come at once (SyncEngine)
         try:
             self._core.send(Generate(self.id, sampling, sink))
         except BaseException:
             admission.leave()
+            self._history.release()
             raise
 
     def _close_command(self, ack: AsyncSink | ThreadSink) -> bool:
@@ -381,12 +472,13 @@ class Conversation(_ConversationBase):
 
         Raises:
             InvalidRequestError: a bad parameter (a ValueError naming it).
+            ConversationBusy: the previous stream is neither finished nor cancelled.
             Overloaded: ``max_queued`` generations are already waiting.
             ConversationClosed, EngineClosed, EngineDead.
         The stream itself raises ContextFull when the history fills the context, and GrammarError for
         a grammar that does not parse.
         """
-        sink = AsyncSink(self._core.check_loop())
+        sink = AsyncSink(self._core.check_loop(), self._history.take)
         self._start(params, sink)
         stream = Stream(self, sink)
         self._last_stream = weakref.ref(stream)
@@ -432,7 +524,7 @@ class SyncConversation(_ConversationBase):
 
     def stream(self, **params: Any) -> SyncStream:
         """Start generating; iterate the result, or call ``result()``. See ``Conversation.stream``."""
-        sink = ThreadSink()
+        sink = ThreadSink(self._history.take)
         self._start(params, sink)
         stream = SyncStream(self, sink)
         self._last_stream = weakref.ref(stream)

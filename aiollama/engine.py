@@ -7,255 +7,130 @@ caller gets a context of its own.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
+import dataclasses
 import os
 import warnings
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
 import anyio
 
-from aiollama.chat import ChatTemplate, Segment
-from aiollama.commands import NewConversation, Portal
+from aiollama.boundary import EngineConfig, NewConversation, Statistics
+from aiollama.chat import Messages, normalize
+from aiollama.client import EngineClient
 from aiollama.conversation import Completion, Conversation, SyncConversation
-from aiollama.decode_loop import DecodeLoop, EngineConfig, Statistics
-from aiollama.errors import (
-    ChatTemplateError,
-    ClosedError,
-    EngineClosed,
-    EngineDead,
-    InvalidRequestError,
-    WrongEventLoop,
-)
+from aiollama.errors import EngineClosed, EngineDead
+from aiollama.executor import NativeExecutor
 from aiollama.models import default_model
-from aiollama.native import Vocab
-from aiollama.native.batch import MAX_SEQ
 from aiollama.portal import current_portal
+from aiollama.sampling import seed_for
+from aiollama.step import Executor
+
+ExecutorFactory = Callable[[EngineConfig], Executor]
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise InvalidRequestError(f"{name} must be an int {bound}, got {value!r}")
-    return value
-
-
-class EngineCore:
-    """What an engine's conversations share: the decode loop, ids, and the tokenizer."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.loop = DecodeLoop(config)
-        self._ids = itertools.count(1)
-        self.closed = False
-        self.vocab: Vocab | None = None
-        self.owner: Any = None  # the event loop (or trio token) of an async engine
-        self._chat_template: ChatTemplate | None = None
-
-    def check_loop(self) -> Portal:
-        """The caller's portal; WrongEventLoop if an async engine is used outside its own loop."""
-        portal = current_portal()
-        if self.owner is not None and portal.owner is not self.owner:
-            raise WrongEventLoop("this engine belongs to the event loop that started it; start one "
-                                 "engine per event loop, or use SyncEngine from threads")
-        return portal
-
-    @property
-    def n_ctx(self) -> int:
-        return self.loop.scheduler.n_ctx
-
-    def start(self) -> None:
-        """Load the model and start the decode thread; blocks until the model is loaded."""
-        self.loop.start()
-        self.loop.wait_ready()
-        assert self.loop.model is not None
-        self.vocab = self.loop.model.vocab
-
-    def close(self) -> None:
-        """Stop the decode thread (running streams end with EngineClosed); raises EngineDead if it
-        had failed."""
-        self.closed = True
-        self.loop.shutdown()
-        if self.loop.dead is not None:
-            raise self.loop.dead
-
-    @property
-    def usable(self) -> bool:
-        return not self.closed and self.loop.dead is None and self.loop.alive
-
-    def check(self) -> None:
-        if self.loop.dead is not None:
-            raise self.loop.dead
-        if self.closed or self.vocab is None:
-            raise EngineClosed("the engine is closed" if self.closed else "the engine is not started")
-
-    def send(self, command: Any) -> None:
-        self.check()
-        self.loop.send(command)
-
-    def new_id(self) -> int:
-        return next(self._ids)
-
-    @contextlib.contextmanager
-    def _pinned_vocab(self) -> Iterator[Vocab]:
-        """The vocab, with the model pinned: the decode thread may close it meanwhile."""
-        self.check()
-        assert self.vocab is not None
-        model = self.vocab._model
-        try:
-            model._acquire_native()
-        except ClosedError:
-            raise EngineClosed("the engine is closed") from None
-        try:
-            yield self.vocab
-        finally:
-            model._release()
-
-    def tokenize(self, text: str, *, add_special: bool, special: bool) -> list[int]:
-        with self._pinned_vocab() as vocab:
-            return vocab.tokenize(text, add_special=add_special, parse_special=special)
-
-    def encode(self, content: str | Sequence[int], *, first: bool, special: bool) -> list[int]:
-        """Token ids for a prompt: text is tokenized (BOS on the first prompt), ids are checked."""
-        if isinstance(content, str):
-            return self.tokenize(content, add_special=first, special=special)
-        if isinstance(content, (bytes, bytearray)) or not isinstance(content, Sequence):
-            raise InvalidRequestError(f"a prompt is text or a sequence of token ids, got {type(content).__name__}")
-        self.check()
-        assert self.vocab is not None
-        return [self.vocab.check_token(t) for t in content]  # type: ignore[arg-type]
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        with self._pinned_vocab() as vocab:
-            return vocab.detokenize(tokens)
-
-    @property
-    def chat_template(self) -> ChatTemplate:
-        """The model's chat template (built on first use)."""
-        if self._chat_template is None:
-            with self._pinned_vocab() as vocab:
-                source = vocab._model.chat_template()
-                texts = {t: vocab.token_text(t) for t in (vocab.bos, vocab.eos, vocab.eot) if t >= 0}
-
-            def builtin(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-                with self._pinned_vocab() as v:
-                    try:
-                        return v.apply_chat_template(messages, template=source or "chatml",
-                                                     add_assistant=add_generation_prompt)
-                    except InvalidRequestError:  # a template llama.cpp does not recognize
-                        return v.apply_chat_template(messages, template="chatml",
-                                                     add_assistant=add_generation_prompt)
-
-            self._chat_template = ChatTemplate(
-                source, bos_token=texts.get(vocab.bos, ""), eos_token=texts.get(vocab.eos, ""), builtin=builtin,
-                eog_texts=[texts[t] for t in (vocab.eot, vocab.eos) if t in texts])
-        return self._chat_template
-
-    def chat_tokens(self, parts: list[Segment], *, first: bool) -> list[int]:
-        """Tokens of rendered chat text: template text with special tokens, caller text without."""
-        out: list[int] = []
-        bos = self.vocab.bos if self.vocab is not None else -1
-        for i, part in enumerate(parts):
-            add_bos = first and i == 0 and part.template
-            tokens = self.tokenize(part.text, add_special=add_bos, special=part.template)
-            if add_bos and len(tokens) > 1 and tokens[0] == tokens[1] == bos:
-                tokens = tokens[1:]  # the template wrote BOS itself
-            out += tokens
-        return out
-
-    def check_role(self, role: str) -> None:
-        if self.tokenize(role, add_special=False, special=True) != self.tokenize(role, add_special=False,
-                                                                                  special=False):
-            raise ChatTemplateError(f"the role {role!r} holds special-token text")
+def _native(config: EngineConfig) -> Executor:
+    assert config.model_path is not None
+    return NativeExecutor(config, config.model_path)
 
 
 class _EngineBase:
-    def __init__(
-        self,
-        model_path: str | os.PathLike[str] | None = None,
-        *,
-        n_ctx: int = 8192,
-        n_seq_max: int = 16,
-        n_batch: int = 512,
-        n_threads: int | None = None,
-        n_gpu_layers: int = 0,
-        step_tokens: int = 256,
-        max_queued: int = 1024,
-    ) -> None:
-        _check_int("n_ctx", n_ctx, 1)
-        _check_int("n_seq_max", n_seq_max, 1, MAX_SEQ)
-        _check_int("n_batch", n_batch, 1)
-        if n_threads is not None:
-            _check_int("n_threads", n_threads, 1)
-        _check_int("n_gpu_layers", n_gpu_layers, -1)
-        _check_int("step_tokens", step_tokens, 1)
-        _check_int("max_queued", max_queued, 0)
-        self._model_path = None if model_path is None else Path(model_path)
-        self._params = dict(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
-                            n_gpu_layers=n_gpu_layers, step_tokens=step_tokens, max_queued=max_queued)
-        self._core: EngineCore | None = None
+    """What the async and the blocking engines share.
+
+    ``model_path`` None serves the default model (fetched on first use). ``options`` are the fields
+    of :class:`~aiollama.boundary.EngineConfig`: ``n_ctx``, ``n_seq_max``, ``n_batch``,
+    ``step_tokens``, ``n_threads``, ``n_gpu_layers``, ``max_queued``; an unknown or out-of-range one
+    raises ``InvalidRequestError`` at once. ``executor`` replaces llama.cpp with another
+    :class:`~aiollama.step.Executor` (a fake one in tests), built on the decode thread from the
+    config.
+    """
+
+    def __init__(self, model_path: str | os.PathLike[str] | None = None, *,
+                 executor: ExecutorFactory | None = None, **options: Any) -> None:
+        self._config = EngineConfig.from_options(model_path, **options)
+        self._executor = executor
+        self._core: EngineClient | None = None
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
         if core is not None and not core.closed:
             warnings.warn("unclosed aiollama engine: use 'async with' / 'with', or close it",
                           ResourceWarning, source=self, stacklevel=2)
-            core.closed = True
-            core.loop.shutdown(timeout=0)  # asks the decode thread to stop; does not wait
+            core.close_nowait()  # asks the decode thread to stop; does not wait
 
     def _start(self, owner: Any = None) -> None:
         if self._core is not None:
             raise RuntimeError("the engine was already started")
-        path = self._model_path if self._model_path is not None else default_model()
-        core = EngineCore(EngineConfig(model_path=path, **self._params))  # type: ignore[arg-type]
-        core.owner = owner
-        try:
-            core.start()
-        except BaseException:
-            core.close()  # the decode thread has already ended; nothing stays open
-            raise
+        config, factory = self._config, self._executor
+        if factory is None:
+            factory = _native
+            if config.model_path is None:
+                config = self._config = dataclasses.replace(config, model_path=default_model())
+        core = EngineClient(config, lambda: factory(config), owner)
+        core.start()
         self._core = core
 
     @property
-    def model_path(self) -> Path:
-        """The GGUF file the engine serves (the default model's path once started without one)."""
-        if self._core is not None:
-            return self._core.loop.config.model_path
-        return self._model_path if self._model_path is not None else Path("default")
+    def config(self) -> EngineConfig:
+        """The engine's settings (with the default model's path once started without one)."""
+        return self._config
 
     @property
-    def core(self) -> EngineCore:
+    def model_path(self) -> os.PathLike[str] | None:
+        """The GGUF file the engine serves (None before an engine of the default model starts)."""
+        return self._config.model_path
+
+    @property
+    def _client(self) -> EngineClient:
         if self._core is None:
             raise EngineClosed("the engine is not started: use 'async with' / 'with', or start it")
         return self._core
 
+    @property
+    def serving(self) -> bool:
+        """True while the engine takes requests: started, not closed, its decode thread alive."""
+        return self._core is not None and self._core.usable
+
     def tokenize(self, text: str, *, add_special: bool = False, special: bool = False) -> list[int]:
         """Token ids for ``text``; thread-safe, does not wait for the decode thread."""
-        return self.core.tokenize(text, add_special=add_special, special=special)
+        return self._client.tokenize(text, add_special=add_special, special=special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.core.detokenize(tokens)
+        return self._client.detokenize(tokens)
+
+    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
+        """The text the model's chat template makes of ``messages``: the prompt ``chat()`` evaluates
+        for a new conversation. Raises ``ChatTemplateError`` for malformed messages."""
+        return self._client.chat_template.render(normalize(messages), add_generation_prompt)
 
     def statistics(self) -> Statistics:
         """The engine's counters after the latest decode step (conversations, KV cells, tokens, time)."""
-        return self.core.loop.statistics
+        return self._client.statistics()
 
     @property
     def n_ctx(self) -> int:
-        return self.core.n_ctx
+        return self._client.n_ctx
 
     def _new(self, cls: type[Any], prompt: str | Sequence[int] | None) -> Any:
-        core = self.core
+        core = self._client
         core.check()
         if core.owner is not None:
             core.check_loop()
-        conv = cls(core, core.new_id(), fresh=True)
+        conv = cls(core, core.new_id())
         core.send(NewConversation(conv.id))
         if prompt is not None:
             conv.prompt(prompt)
         return conv
+
+    def _close(self) -> None:
+        core = self._core
+        if core is None:
+            return
+        if not core.closed:
+            core.close()
+        elif core.dead is not None:
+            raise core.dead
 
 
 class Engine(_EngineBase):
@@ -297,14 +172,13 @@ class Engine(_EngineBase):
 
         Raises ``EngineDead`` if the decode thread had failed (every stream got it too).
         """
-        core = self._core
-        if core is None:
-            return
-        if not core.closed:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(core.close)
-        elif core.loop.dead is not None:
-            raise core.loop.dead
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._close)
+
+    def close_nowait(self) -> None:
+        """Ask the engine to stop without waiting (running streams end with ``EngineClosed``)."""
+        if self._core is not None:
+            self._core.close_nowait()
 
     def conversation(self, prompt: str | Sequence[int] | None = None) -> Conversation:
         """A new, empty conversation (or one holding ``prompt``). Cheap: it takes no seq id yet."""
@@ -352,13 +226,7 @@ class SyncEngine(_EngineBase):
 
     def close(self) -> None:
         """Stop the decode thread and free everything; raises ``EngineDead`` if it had failed."""
-        core = self._core
-        if core is None:
-            return
-        if not core.closed:
-            core.close()
-        elif core.loop.dead is not None:
-            raise core.loop.dead
+        self._close()
 
     def conversation(self, prompt: str | Sequence[int] | None = None) -> SyncConversation:
         conv: SyncConversation = self._new(SyncConversation, prompt)
@@ -377,4 +245,4 @@ class SyncEngine(_EngineBase):
 def _seeded(params: dict[str, Any], i: int) -> dict[str, Any]:
     if params.get("seed") is None:
         return params
-    return {**params, "seed": (params["seed"] + i) % (2**32 - 1)}
+    return {**params, "seed": seed_for(params["seed"], i)}

@@ -1,29 +1,38 @@
 """The exceptions aiollama raises, in one tree.
 
 Everything derives from :class:`AiollamaError`. Errors about the caller's input also derive from
-:class:`ValueError`, so code that already catches ``ValueError`` keeps working::
+:class:`ValueError`, errors about a missing model file from the matching ``OSError``, so code that
+already catches those keeps working::
 
     AiollamaError
-    ├── Overloaded              the engine's queue is full; retry later            (act on it)
-    ├── ContextFull             a conversation is longer than the context can hold (act on it)
-    ├── ClosedError             something was used after it was closed
-    │   ├── EngineClosed            the engine was closed
-    │   └── ConversationClosed      the conversation was closed
-    ├── EngineDead              the decode thread failed; every stream gets this   (engine gone)
-    ├── WrongEventLoop          an Engine used outside the event loop that started it
-    ├── ModelLoadError          the model file is missing, not GGUF, truncated or unsupported
-    ├── InvalidRequestError     bad input, refused before it reaches llama.cpp (also ValueError)
-    │   ├── InvalidBatchError       batch too large, empty, position gaps
-    │   ├── InvalidSeqIdError       seq id outside [0, n_seq_max)
-    │   ├── InvalidTokenError       token id outside the vocabulary
-    │   ├── InvalidOutputError      sampling a batch row that produced no logits
-    │   └── GrammarError            a GBNF grammar that does not parse, or a token it rejects
-    └── DecodeError             llama.cpp failed to decode (compute or allocation failure)
+    ├── Overloaded                  the engine's queue is full; retry later         (act on it)
+    ├── ContextFull                 a history longer than the context can hold      (act on it)
+    ├── ClosedError                 something was used after it was closed (also RuntimeError)
+    │   ├── EngineClosed                the engine was closed, or not started
+    │   └── ConversationClosed          the conversation was closed
+    ├── EngineDead                  the decode thread failed; every stream gets it  (engine gone)
+    ├── WrongEventLoop              an Engine used outside its event loop (also RuntimeError)
+    ├── ModelLoadError              the model could not be loaded (also ValueError)
+    │   ├── ModelNotFound               no file at the path (also FileNotFoundError)
+    │   ├── ModelIsADirectory           the path is a folder (also IsADirectoryError)
+    │   └── UnsupportedModel            a model this engine cannot serve (recurrent, hybrid)
+    ├── ContextCreateError          llama.cpp could not create a context (out of memory...)
+    ├── StateRestoreError           a saved sequence state does not fit this context
+    ├── InvalidRequestError         bad input, refused before it reaches llama.cpp (also ValueError)
+    │   ├── ConversationBusy            stream() while the previous stream still runs
+    │   ├── ChatTemplateError           malformed chat messages, or the template refuses them
+    │   ├── GrammarError                a GBNF grammar that does not parse, or a token it rejects
+    │   ├── InvalidTokenError           a token id outside the vocabulary
+    │   ├── InvalidBatchError           native layer only: batch too large, empty, position gaps
+    │   ├── InvalidSeqIdError           native layer only: seq id outside [0, n_seq_max)
+    │   └── InvalidOutputError          native layer only: sampling a row that has no logits
+    └── DecodeError                 native layer only: llama_decode failed; reaches engine
+                                    users as the __cause__ of EngineDead
 
-Input errors leave the native state untouched: the caller can fix the input and go on.
+Input errors leave every state untouched: the caller can fix the input and go on.
 ``Overloaded`` and ``ContextFull`` concern one request; the engine keeps serving everyone else.
 ``EngineDead`` means the engine is gone: every waiting stream and every later call gets it.
-A ``DecodeError`` means the context may hold partial results of the failed call.
+``tests/test_errors.py`` keeps this tree complete and in the order of the classes below.
 """
 
 from __future__ import annotations
@@ -31,6 +40,14 @@ from __future__ import annotations
 
 class AiollamaError(Exception):
     """Base class of every error aiollama raises on purpose."""
+
+
+class Overloaded(AiollamaError):
+    """More generations are queued than ``max_queued`` allows. Nothing was queued; retry later."""
+
+
+class ContextFull(AiollamaError):
+    """The conversation's history alone is as long as the context: nothing can be generated."""
 
 
 class ClosedError(AiollamaError, RuntimeError):
@@ -56,20 +73,50 @@ class WrongEventLoop(AiollamaError, RuntimeError):
     """
 
 
-class Overloaded(AiollamaError):
-    """More generations are queued than ``max_queued`` allows. Nothing was queued; retry later."""
-
-
-class ContextFull(AiollamaError):
-    """The conversation's history alone is as long as the context: nothing can be generated."""
-
-
 class ModelLoadError(AiollamaError, ValueError):
-    """A model file could not be loaded: not GGUF, truncated, or not supported by llama.cpp."""
+    """A model could not be loaded: missing, not GGUF, truncated, or not supported."""
+
+
+class ModelNotFound(ModelLoadError, FileNotFoundError):
+    """No file at the model path."""
+
+
+class ModelIsADirectory(ModelLoadError, IsADirectoryError):
+    """The model path names a folder, not a GGUF file."""
+
+
+class UnsupportedModel(ModelLoadError):
+    """A model the engine cannot serve, such as a recurrent or hybrid one, whose memory cannot drop
+    the tail of a sequence (which preemption, prefix sharing and cancellation rely on)."""
+
+
+class ContextCreateError(AiollamaError):
+    """llama.cpp could not create a context (out of memory, or parameters the backend refuses)."""
+
+
+class StateRestoreError(AiollamaError):
+    """A saved sequence state could not be restored: no room, or another model or layout."""
 
 
 class InvalidRequestError(AiollamaError, ValueError):
     """Input that llama.cpp would reject or abort on, refused beforehand."""
+
+
+class ConversationBusy(InvalidRequestError):
+    """``stream()`` while the conversation's previous stream is neither finished nor cancelled."""
+
+
+class ChatTemplateError(InvalidRequestError):
+    """A malformed chat message, a role holding special-token text, or messages the model's chat
+    template refuses (it called ``raise_exception``)."""
+
+
+class GrammarError(InvalidRequestError):
+    """A GBNF grammar that does not parse, or a token the grammar cannot accept."""
+
+
+class InvalidTokenError(InvalidRequestError):
+    """A token id outside the model's vocabulary."""
 
 
 class InvalidBatchError(InvalidRequestError):
@@ -80,26 +127,9 @@ class InvalidSeqIdError(InvalidRequestError):
     """A sequence id outside ``[0, n_seq_max)``."""
 
 
-class InvalidTokenError(InvalidRequestError):
-    """A token id outside the model's vocabulary."""
-
-
 class InvalidOutputError(InvalidRequestError):
     """A batch index that produced no logits in the last decode."""
 
 
-class GrammarError(InvalidRequestError):
-    """A GBNF grammar that does not parse, or a token the grammar cannot accept."""
-
-
 class DecodeError(AiollamaError):
     """llama_decode failed with a fatal status; the context may hold partial results."""
-
-
-class ConversationBusy(InvalidRequestError):
-    """``stream()`` while the conversation's previous stream is neither finished nor cancelled."""
-
-
-class ChatTemplateError(InvalidRequestError):
-    """A malformed chat message, a role holding special-token text, or messages the model's chat
-    template refuses (it called ``raise_exception``)."""

@@ -16,8 +16,12 @@ from typing import Any
 import anyio
 import sniffio
 
-from aiollama.commands import Delta, Portal
+from aiollama.boundary import Item, Portal
 from aiollama.errors import WrongEventLoop
+
+# A trio run leaves its token behind when it ends; forget the portals of old runs now and then
+# (a process rarely runs many trio loops, and a forgotten portal is only a small object).
+MAX_TRIO_PORTALS = 64
 
 
 class AsyncioPortal:
@@ -83,7 +87,7 @@ def current_portal() -> Portal:
         token = trio.lowlevel.current_trio_token()
         trio_portal = _trio_portals.get(token)
         if trio_portal is None:
-            if len(_trio_portals) > 64:
+            if len(_trio_portals) > MAX_TRIO_PORTALS:
                 _trio_portals.clear()
             trio_portal = _trio_portals[token] = TrioPortal(token)
         return trio_portal
@@ -91,38 +95,45 @@ def current_portal() -> Portal:
 
 
 class AsyncSink:
-    """A stream's inbox on its event loop; ``deliver`` runs on that loop."""
+    """A stream's inbox on its event loop; ``deliver`` runs on that loop.
 
-    def __init__(self, portal: Portal) -> None:
+    ``on_item`` sees every item as it arrives, whether or not anyone reads the stream (the
+    conversation keeps its history with it).
+    """
+
+    def __init__(self, portal: Portal, on_item: Callable[[Item], None] | None = None) -> None:
         self.portal = portal
-        self._items: deque[Delta] = deque()
+        self._on_item = on_item
+        self._items: deque[Item] = deque()
         self._event = anyio.Event()
 
-    def deliver(self, delta: Delta) -> None:
-        self._items.append(delta)
+    def deliver(self, item: Item) -> None:
+        if self._on_item is not None:
+            self._on_item(item)
+        self._items.append(item)
         self._event.set()
 
-    async def get(self) -> Delta:
+    async def get(self) -> Item:
         while not self._items:
             if self._event.is_set():
                 self._event = anyio.Event()
             await self._event.wait()
         return self._items.popleft()
 
-    def get_nowait(self) -> Delta | None:
-        return self._items.popleft() if self._items else None
-
 
 class ThreadSink:
-    """A stream's inbox for a consumer on a plain thread."""
+    """A stream's inbox for a consumer on a plain thread; ``deliver`` runs on the decode thread."""
 
     portal: Portal = THREAD_PORTAL
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+    def __init__(self, on_item: Callable[[Item], None] | None = None) -> None:
+        self._on_item = on_item
+        self._queue: queue.SimpleQueue[Item] = queue.SimpleQueue()
 
-    def deliver(self, delta: Delta) -> None:
-        self._queue.put(delta)
+    def deliver(self, item: Item) -> None:
+        if self._on_item is not None:
+            self._on_item(item)
+        self._queue.put(item)
 
-    def get(self, timeout: float | None = None) -> Delta:
-        return self._queue.get(timeout=timeout)
+    def get(self) -> Item:
+        return self._queue.get()

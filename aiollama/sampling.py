@@ -7,26 +7,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiollama._validate import SEED_MAX, integer, number
 from aiollama.errors import InvalidRequestError
 
 
-def _number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-            low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
-    if low is not None and (value < low or (low_open and value == low)):
-        raise InvalidRequestError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
-    if high is not None and value > high:
-        raise InvalidRequestError(f"{name} must be <= {high}, got {value!r}")
-    return float(value)
+def seed_for(seed: int, index: int) -> int:
+    """The seed of choice ``index`` when one request of several choices gives one ``seed``."""
+    return (seed + index) % (SEED_MAX + 1)
 
 
-def _integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an int, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value!r}")
-    return value
+def wrap_seed(seed: int) -> int:
+    """Any integer (an OpenAI ``seed`` may be negative or 64-bit) as a valid seed."""
+    return seed % (SEED_MAX + 1)
 
 
 @dataclass(frozen=True)
@@ -56,22 +48,22 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _integer("max_tokens", self.max_tokens, low=1, high=2**31 - 1)
-        _number("temperature", self.temperature, low=0.0)
-        _integer("top_k", self.top_k, low=0, high=2**31 - 1)
-        _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        _number("min_p", self.min_p, low=0.0, high=1.0)
-        _number("typical_p", self.typical_p, low=0.0, high=1.0, low_open=True)
-        _number("repeat_penalty", self.repeat_penalty, low=0.0, low_open=True)
-        _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
-        _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        _integer("penalty_last_n", self.penalty_last_n, low=-1, high=2**31 - 1)
+        integer("max_tokens", self.max_tokens, low=1, high=2**31 - 1)
+        number("temperature", self.temperature, low=0.0)
+        integer("top_k", self.top_k, low=0, high=2**31 - 1)
+        number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        number("min_p", self.min_p, low=0.0, high=1.0)
+        number("typical_p", self.typical_p, low=0.0, high=1.0, low_open=True)
+        number("repeat_penalty", self.repeat_penalty, low=0.0, low_open=True)
+        number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        integer("penalty_last_n", self.penalty_last_n, low=-1, high=2**31 - 1)
         if self.seed is not None:
-            _integer("seed", self.seed, low=0, high=2**32 - 2)
+            integer("seed", self.seed, low=0, high=SEED_MAX)
         if not isinstance(self.logit_bias, Mapping):
             raise InvalidRequestError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
         for token, bias in self.logit_bias.items():
-            _integer("logit_bias token", token, low=0)
+            integer("logit_bias token", token, low=0)
             if not (isinstance(bias, (int, float)) and not isinstance(bias, bool)) or math.isnan(bias):
                 raise InvalidRequestError(f"logit_bias value for token {token} must be a number, got {bias!r}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,11 @@ from aiollama import Completion, Engine, Statistics, Stream
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain
 
 GREEDY: dict[str, Any] = dict(temperature=0.0, ignore_eos=True)
+
+
+def decode_threads() -> list[str]:
+    """The names of the decode threads alive now."""
+    return [t.name for t in threading.enumerate() if t.name == "aiollama-decode"]
 
 
 async def wait_for(engine: Engine, pred: Callable[[Statistics], bool], timeout: float = 20.0) -> Statistics:

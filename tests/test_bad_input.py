@@ -27,11 +27,12 @@ from aiollama import (
     GrammarError,
     InvalidRequestError,
     InvalidTokenError,
+    ModelIsADirectory,
     ModelLoadError,
+    ModelNotFound,
     Overloaded,
     WrongEventLoop,
 )
-
 from helpers import GREEDY
 
 pytestmark = pytest.mark.anyio
@@ -152,10 +153,10 @@ def _prompt(content: Any) -> Callable[[Engine, Path, Path], Any]:
 
 CASES = [
     # the model file
-    Case("missing-model", lambda e, m, t: _start(t / "missing.gguf"), FileNotFoundError, "not found"),
+    Case("missing-model", lambda e, m, t: _start(t / "missing.gguf"), ModelNotFound, "not found"),
     Case("not-gguf", lambda e, m, t: _start(_not_gguf(t)), ModelLoadError, "not a GGUF file"),
     Case("truncated-gguf", lambda e, m, t: _start(_truncated(m, t)), ModelLoadError, "could not load"),
-    Case("directory", lambda e, m, t: _start(t), IsADirectoryError, "directory"),
+    Case("directory", lambda e, m, t: _start(t), ModelIsADirectory, "directory"),
     # prompts
     Case("empty-text", _prompt(""), InvalidRequestError, "must not be empty"),
     Case("empty-tokens", _prompt([]), InvalidRequestError, "must not be empty"),
@@ -188,6 +189,7 @@ CASES = [
     Case("n_seq_max-zero", lambda e, m, t: Engine(m, n_seq_max=0), InvalidRequestError, "n_seq_max"),
     Case("n_seq_max-257", lambda e, m, t: Engine(m, n_seq_max=257), InvalidRequestError, "n_seq_max"),
     Case("n_batch-zero", lambda e, m, t: Engine(m, n_batch=0), InvalidRequestError, "n_batch"),
+    Case("unknown-engine-option", lambda e, m, t: Engine(m, n_seq=4), InvalidRequestError, "unknown engine option"),
     # state
     Case("second-stream", lambda e, m, t: _busy(e), ConversationBusy, "already generating"),
     Case("prompt-after-aclose", lambda e, m, t: _closed(e, lambda c: c.prompt("x")), ConversationClosed, "closed"),

@@ -15,43 +15,54 @@ from pathlib import Path
 import anyio
 import pytest
 
-from aiollama import Engine, EngineDead
-from aiollama.native import Context, open_handles
+from aiollama import Engine, EngineConfig, EngineDead
+from aiollama.executor import NativeExecutor
+from aiollama.native import Batch, Context, DecodeStatus, open_handles
 from aiollama.scheduler import Scheduler
-
-from helpers import GREEDY, gather, solo, wait_for
+from helpers import GREEDY, decode_threads, gather, solo, wait_for
 
 pytestmark = pytest.mark.anyio
 
 TIMEOUT = 60
 
 
-@pytest.mark.parametrize("code", [1, 2])  # NO_KV_SLOT, ABORTED
-async def test_recoverable_decode_codes_are_absorbed(tiny_path: Path, code: int) -> None:
+class FaultyExecutor(NativeExecutor):
+    """The real executor, with llama_decode's return code replaced by ``fault`` when it says so
+    (nothing is decoded then, as for NO_KV_SLOT)."""
+
+    fault: Callable[[int], DecodeStatus | None] = staticmethod(lambda call: None)  # type: ignore[assignment]
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config, config.model_path)  # type: ignore[arg-type]
+        self.calls = 0
+
+    def _decode(self, batch: Batch) -> DecodeStatus:
+        self.calls += 1
+        injected = type(self).fault(self.calls)
+        return injected if injected is not None else super()._decode(batch)
+
+
+@pytest.mark.parametrize("code", [DecodeStatus.NO_KV_SLOT, DecodeStatus.ABORTED])
+async def test_recoverable_decode_codes_are_absorbed(tiny_path: Path, code: DecodeStatus,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = ["First of three", "Second of three", "Third of three"]
     expected = [(await solo(tiny_path, p, max_tokens=12, **GREEDY)).tokens for p in prompts]
+    calls: list[int] = []
+
+    def every_third(call: int) -> DecodeStatus | None:
+        calls.append(call)
+        return code if call % 3 == 0 else None
+
+    monkeypatch.setattr(FaultyExecutor, "fault", staticmethod(every_third))
     with anyio.fail_after(TIMEOUT):
-        async with Engine(tiny_path, n_ctx=1024, n_seq_max=4) as engine:
-            ctx = engine.core.loop._ctx
-            assert ctx is not None
-            calls = 0
-
-            def hook(batch: object) -> int | None:
-                nonlocal calls
-                calls += 1
-                return code if calls % 3 == 0 else None  # every third decode fails
-
-            ctx.fault_hook = hook
+        async with Engine(tiny_path, n_ctx=1024, n_seq_max=4, executor=FaultyExecutor) as engine:
             outs = await gather(*(engine.conversation(p).stream(max_tokens=12, **GREEDY) for p in prompts))
-            ctx.fault_hook = None
-    assert calls >= 12
+    assert len(calls) >= 12
     assert [o.tokens for o in outs] == expected
 
 
 def _fatal_code(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    ctx = engine.core.loop._ctx
-    assert ctx is not None
-    ctx.fault_hook = lambda batch: -3  # llama_decode's COMPUTE_FAILED
+    monkeypatch.setattr(FaultyExecutor, "fault", staticmethod(lambda call: DecodeStatus.COMPUTE_FAILED))
 
 
 def _decode_raises(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,7 +93,7 @@ async def test_a_fatal_fault_reaches_every_stream_and_the_exit(
     body_done = False
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(EngineDead, match=message):  # raised by leaving the block
-            async with Engine(tiny_path, n_ctx=1024, n_seq_max=4) as engine:
+            async with Engine(tiny_path, n_ctx=1024, n_seq_max=4, executor=FaultyExecutor) as engine:
                 streams = [engine.conversation(f"doomed {i}").stream(max_tokens=100_000, **GREEDY)
                            for i in range(6)]  # 4 running, 2 waiting for a seq id
                 await wait_for(engine, lambda s: s.active == 4 and s.queued == 2)
@@ -94,7 +105,7 @@ async def test_a_fatal_fault_reaches_every_stream_and_the_exit(
                     engine.conversation("after")
                 body_done = True
     assert body_done
-    assert not engine.core.loop.alive
+    assert not engine.serving and decode_threads() == []
     assert open_handles() == before
     with pytest.raises(EngineDead):
         await engine.aclose()  # it stays dead
@@ -177,7 +188,10 @@ LOOP_CLOSES = """
     while engine.statistics().active and time.monotonic() < deadline:
         time.sleep(0.01)
     stats = engine.statistics()
-    engine.core.close()  # the owner of an orphaned engine can still stop it from any thread
+    engine.close_nowait()  # the owner of an orphaned engine can still stop it from any thread
+    deadline = time.monotonic() + 20
+    while any(t.name == "aiollama-decode" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
     threads = [t.name for t in threading.enumerate() if t.name.startswith("aiollama")]
     tasks.clear()
     print(json.dumps({"active": stats.active, "queued": stats.queued, "decode_threads": threads,

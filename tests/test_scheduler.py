@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from aiollama.errors import ContextFull
-from aiollama.scheduler import MIN_PREFILL_CHUNK, Copy, Phase, Plan, Scheduler, common_prefix
+from aiollama.kvcache import Phase
+from aiollama.scheduler import MIN_PREFILL_CHUNK, Scheduler, common_prefix
+from aiollama.step import Copy, Plan, Sampled, StepResult, StepStatus
 from fake_kv import FakeKV
 
 
@@ -33,25 +35,24 @@ class Harness:
     def step(self) -> Plan:
         plan = self.sched.schedule()
         self.plans.append(plan)
-        self.kv.apply(plan)
+        self.kv.apply(plan.ops)
         assert plan.n_tokens <= self.sched.n_batch
         assert self.kv.decode(plan), "the plan did not fit the KV cache"
-        self.sched.commit(plan)
-        for row in plan.rows:
-            if row.logits:
-                token = 1000 + len(self.plans)
-                self.sched.add_token(row.conv, token)
-                self.generated[row.conv].append(token)
-                if len(self.generated[row.conv]) >= self.limit[row.conv]:
-                    self.sched.finish(row.conv)
+        token = 1000 + len(self.plans)
+        sampled = tuple(Sampled(s.conv, token, b"", False) for s in plan.slices if s.logits)
+        self.sched.update(plan, StepResult(StepStatus.OK, sampled))
+        for s in sampled:
+            self.generated[s.conv].append(token)
+            if len(self.generated[s.conv]) >= self.limit[s.conv]:
+                self.sched.finish(s.conv)
         self.check()
         return plan
 
     def check(self) -> None:
-        assert self.kv.used == self.sched.cells.used
-        ids = [s.seq_id for s in self.sched._seqs.values() if s.seq_id is not None]
+        assert self.kv.used == self.sched.kv.cells.used
+        ids = [s.seq_id for s in self.sched.sequences() if s.seq_id is not None]
         assert len(ids) == len(set(ids))
-        for seq in self.sched._seqs.values():
+        for seq in self.sched.sequences():
             if seq.seq_id is not None:
                 assert self.kv.positions(seq.seq_id) == list(range(seq.n_cached))
 
@@ -72,7 +73,7 @@ def test_decode_rows_go_first_and_prompts_are_chunked() -> None:
     h.start(2, list(range(100, 200)), 5)  # a long prompt joins
     for _ in range(5):
         plan = h.step()
-        assert plan.rows[0].conv == 1 and len(plan.rows[0].tokens) == 1  # the stream keeps going
+        assert plan.slices[0].conv == 1 and len(plan.slices[0].tokens) == 1  # the stream keeps going
         assert plan.n_tokens <= max(16, 1 + MIN_PREFILL_CHUNK)
     assert h.sched.get(2).n_cached > 0
 
@@ -81,22 +82,25 @@ def test_round_robin_between_prompts() -> None:
     h = Harness(step_tokens=16)
     h.start(1, list(range(1, 100)), 1)
     h.start(2, list(range(200, 300)), 1)
-    first, second = h.step(), h.step()
-    assert {r.conv for r in first.rows} != {r.conv for r in second.rows} or len(first.rows) == 2
+    first, second, third = h.step(), h.step(), h.step()
+    # the whole budget goes to one prompt per step, taking turns
+    assert [(s.conv, s.pos, len(s.tokens)) for s in first.slices] == [(1, 0, 16)]
+    assert [(s.conv, s.pos, len(s.tokens)) for s in second.slices] == [(2, 0, 16)]
+    assert [(s.conv, s.pos, len(s.tokens)) for s in third.slices] == [(1, 16, 16)]
 
 
 def test_fork_shares_the_prefix() -> None:
     h = Harness(n_ctx=512)
     h.start(1, list(range(1, 101)), 1)
     h.run()
-    used = h.sched.cells.used
+    used = h.sched.kv.cells.used
     for child in (2, 3, 4):
         h.sched.fork(1, child)
         h.start(child, None, 10)
     h.run()
     assert any(isinstance(op, Copy) for plan in h.plans for op in plan.ops)
     # three continuations of ~10 tokens; the 100-token prefix is not copied
-    assert h.sched.cells.used <= used + 3 * 11
+    assert h.sched.kv.cells.used <= used + 3 * 11
 
 
 def test_followers_wait_for_the_leader_instead_of_evaluating_twice() -> None:
@@ -114,7 +118,7 @@ def test_idle_conversations_are_evicted_lru_for_seq_ids() -> None:
     for conv in (1, 2):
         h.start(conv, [conv, conv + 10], 2)
     h.run()
-    assert h.sched.counts().seq_ids_used == 2  # both idle, both cached
+    assert h.sched.kv.n_holders == 2  # both idle, both cached
     h.sched.append(1, [7])  # conversation 1 was used more recently
     h.start(3, [3, 30], 2)
     h.run()
@@ -131,7 +135,7 @@ def test_preemption_when_the_cache_is_full() -> None:
     h.run()
     assert all(len(g) == 12 for g in h.generated.values())
     # four conversations of 22 tokens cannot all be cached in 64 cells at once
-    assert any(s.phase is Phase.IDLE for s in h.sched._seqs.values())
+    assert any(s.phase is Phase.IDLE for s in h.sched.sequences())
 
 
 def test_history_longer_than_the_context_is_refused() -> None:
@@ -150,9 +154,9 @@ def test_removing_frees_seq_ids_and_cells() -> None:
     h.sched.remove(1)
     h.sched.remove(2)
     plan = h.sched.schedule()
-    h.kv.apply(plan)
-    assert h.sched.cells.used == h.kv.used == 0
-    assert h.sched.counts().seq_ids_used == 0
+    h.kv.apply(plan.ops)
+    assert h.sched.kv.cells.used == h.kv.used == 0
+    assert h.sched.kv.n_holders == 0
 
 
 def test_common_prefix() -> None:

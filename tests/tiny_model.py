@@ -3,6 +3,10 @@
 The weights are random (2 layers, width 64), so the text is nonsense, but the tokenizer metadata is
 SmolLM2's real one (GPT-2 style BPE, 49152 tokens), so real text tokenizes and detokenizes exactly
 as with the real model. A model is deterministic for a given seed and cached by its parameters.
+
+:func:`spm_model` writes one with a small SentencePiece vocabulary of its own instead (Llama's
+``llama`` tokenizer with byte fallback and a space prefix) and a Gemma-style chat template whose
+turn markers are control tokens.
 """
 
 from __future__ import annotations
@@ -29,10 +33,17 @@ TOKENIZER_KEYS = (
 )
 
 
+def copy_tokenizer(source: Path) -> dict[str, object]:
+    """The tokenizer metadata of a GGUF file, to write into another."""
+    reader = GGUFReader(str(source))
+    return {k: reader.fields[k] for k in TOKENIZER_KEYS if k in reader.fields}
+
+
 def write_tiny_model(
     path: Path,
-    tokenizer_source: Path,
+    tokenizer_source: Path | None,
     *,
+    tokenizer: dict[str, object] | None = None,
     n_layer: int = 2,
     n_embd: int = 64,
     n_head: int = 4,
@@ -41,9 +52,8 @@ def write_tiny_model(
     n_ctx_train: int = 4096,
     seed: int = 0,
 ) -> Path:
-    reader = GGUFReader(str(tokenizer_source))
-    fields = {k: reader.fields[k] for k in TOKENIZER_KEYS if k in reader.fields}
-    n_vocab = len(fields["tokenizer.ggml.tokens"].data)
+    fields = copy_tokenizer(tokenizer_source) if tokenizer_source is not None else {}
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data) if fields else len(tokenizer["tokenizer.ggml.tokens"])  # type: ignore[index, arg-type]
     head_dim = n_embd // n_head
 
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
@@ -61,8 +71,8 @@ def write_tiny_model(
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(0)  # all F32
     for key, field in fields.items():
-        value = field.contents()
-        vtype = field.types[0]
+        value = field.contents()  # type: ignore[attr-defined]
+        vtype = field.types[0]  # type: ignore[attr-defined]
         if vtype == GGUFValueType.ARRAY:
             writer.add_array(key, value)
         elif vtype == GGUFValueType.STRING:
@@ -71,6 +81,15 @@ def write_tiny_model(
             writer.add_bool(key, value)
         else:
             writer.add_uint32(key, int(value))
+    for key, value in (tokenizer or {}).items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, int(value))  # type: ignore[call-overload]
 
     rng = np.random.default_rng(seed)
 
@@ -106,4 +125,53 @@ def tiny_model(cache: Path, tokenizer_source: Path, **params: int) -> Path:
     if not path.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         write_tiny_model(path, tokenizer_source, **params)
+    return path
+
+
+GEMMA_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+SPM_WORDS = ("Hello world What is the capital of France Paris Tell me a story about tokens and chat "
+             "templates user model system Be brief Name colour Another one Unicode line breaks tabs spaces "
+             "leading trailing")
+
+
+def spm_tokenizer() -> dict[str, object]:
+    """A small SentencePiece vocabulary: control tokens, 256 byte-fallback tokens, characters, and
+    every piece of a few words (with and without the space mark) scored by length, so that merges
+    build whole words; plus "?<", a piece that spans what a template and a message would join."""
+    tokens = ["<unk>", "<s>", "</s>", "<start_of_turn>", "<end_of_turn>"]
+    types = [2, 3, 3, 3, 3]  # UNKNOWN, CONTROL
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256  # BYTE
+    pieces: set[str] = set("\u2581?<>!.,:;'\"-")
+    pieces.add("?<")
+    for word in SPM_WORDS.split():
+        for form in (word, "\u2581" + word):
+            pieces.update(form[i:j] for i in range(len(form)) for j in range(i + 1, len(form) + 1))
+    ordered = sorted(pieces, key=lambda p: (len(p), p))
+    tokens += ordered
+    types += [1] * len(ordered)  # NORMAL
+    scores = [0.0] * (5 + 256) + [float(len(p)) for p in ordered]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": True,
+        "tokenizer.chat_template": GEMMA_STYLE_TEMPLATE,
+    }
+
+
+def spm_model(cache: Path) -> Path:
+    """The cached tiny model with the SentencePiece vocabulary above, written on first use."""
+    path = cache / "tiny-llama-spm-v1.gguf"
+    if not path.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        write_tiny_model(path, None, tokenizer=spm_tokenizer())
     return path

@@ -11,17 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from aiollama.errors import InvalidBatchError, InvalidRequestError, InvalidSeqIdError, InvalidTokenError
+from aiollama._validate import MAX_SEQ, integer
+from aiollama.errors import InvalidBatchError, InvalidSeqIdError, InvalidTokenError
 from aiollama.native.binding import lib
 from aiollama.native.handle import Handle
 
-MAX_SEQ = 256  # LLAMA_MAX_SEQ at the pinned tag
-
-
-def _check_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be an int, got {value!r}")
-    return value
+__all__ = ["MAX_SEQ", "Batch"]
 
 
 class Batch(Handle):
@@ -30,12 +25,8 @@ class Batch(Handle):
     _kind = "batch"
 
     def __init__(self, capacity: int, n_seq_max: int = 1) -> None:
-        _check_int("capacity", capacity)
-        _check_int("n_seq_max", n_seq_max)
-        if capacity < 1:
-            raise InvalidRequestError(f"batch capacity must be at least 1, got {capacity}")
-        if not 1 <= n_seq_max <= MAX_SEQ:
-            raise InvalidRequestError(f"n_seq_max must be in [1, {MAX_SEQ}], got {n_seq_max}")
+        integer("capacity", capacity, low=1)
+        integer("n_seq_max", n_seq_max, low=1, high=MAX_SEQ)
         self.capacity = capacity
         self.n_seq_max = n_seq_max
         self._own(lib.llama_batch_init(capacity, 0, n_seq_max))
@@ -69,7 +60,7 @@ class Batch(Handle):
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidSeqIdError(f"repeated seq id in one row: {list(seq_ids)}")
         for s in seq_ids:
-            _check_int("seq_id", s)
+            integer("seq_id", s)
             if s < 0:
                 raise InvalidSeqIdError(f"seq id must be >= 0, got {s}")
             expected = self._next_pos.get(s)
@@ -86,8 +77,8 @@ class Batch(Handle):
 
     def add(self, token: int, pos: int, seq_ids: int | Sequence[int], output: bool = False) -> int:
         """Append one row and return its index in the batch."""
-        _check_int("token", token)
-        _check_int("pos", pos)
+        integer("token", token)
+        integer("pos", pos)
         if token < 0:
             raise InvalidTokenError(f"token id must be >= 0, got {token}")
         ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
@@ -109,7 +100,7 @@ class Batch(Handle):
 
     def add_tokens(self, tokens: Sequence[int], pos: int, seq_id: int, *, output_last: bool = False) -> int:
         """Append consecutive tokens of one sequence from ``pos`` on; return the index of the last row."""
-        _check_int("pos", pos)
+        integer("pos", pos)
         ids = list(tokens)
         if not ids:
             raise InvalidBatchError("add_tokens needs at least one token")

@@ -7,19 +7,20 @@ A context belongs to one thread at a time: llama.cpp does no locking inside it. 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from aiollama._validate import integer
 from aiollama.errors import (
-    AiollamaError,
+    ContextCreateError,
     InvalidBatchError,
     InvalidOutputError,
     InvalidRequestError,
     InvalidSeqIdError,
     InvalidTokenError,
+    StateRestoreError,
 )
-from aiollama.native.batch import MAX_SEQ, Batch, _check_int
+from aiollama.native.batch import MAX_SEQ, Batch
 from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
 from aiollama.native.handle import Handle
 from aiollama.native.model import Model, Vocab
@@ -64,14 +65,6 @@ class Perf:
     n_graph_reused: int
 
 
-def _positive(name: str, value: object, *, allow_zero: bool = False) -> int:
-    _check_int(name, value)
-    assert isinstance(value, int)
-    if value < 0 or (value == 0 and not allow_zero):
-        raise InvalidRequestError(f"{name} must be {'>= 0' if allow_zero else '>= 1'}, got {value}")
-    return value
-
-
 class Context(Handle):
     """A llama_context over ``model``, which it keeps alive until closed.
 
@@ -81,7 +74,7 @@ class Context(Handle):
     Raises:
         InvalidRequestError: a parameter out of range (for example ``n_seq_max`` > 256).
         ClosedError: the model is closed.
-        AiollamaError: llama.cpp could not create the context (for example, out of memory).
+        ContextCreateError: llama.cpp could not create the context (for example, out of memory).
     """
 
     _kind = "context"
@@ -99,15 +92,13 @@ class Context(Handle):
         kv_unified: bool = True,
         flash_attn: bool | None = None,
     ) -> None:
-        _positive("n_ctx", n_ctx, allow_zero=True)
-        _positive("n_batch", n_batch)
-        _positive("n_seq_max", n_seq_max)
-        if n_seq_max > MAX_SEQ:
-            raise InvalidRequestError(f"n_seq_max must be at most {MAX_SEQ} (LLAMA_MAX_SEQ), got {n_seq_max}")
+        integer("n_ctx", n_ctx, low=0)
+        integer("n_batch", n_batch, low=1)
+        integer("n_seq_max", n_seq_max, low=1, high=MAX_SEQ)
         if n_ubatch is not None:
-            _positive("n_ubatch", n_ubatch)
-        threads = available_cpus() if n_threads is None else _positive("n_threads", n_threads)
-        threads_batch = threads if n_threads_batch is None else _positive("n_threads_batch", n_threads_batch)
+            integer("n_ubatch", n_ubatch, low=1)
+        threads = available_cpus() if n_threads is None else integer("n_threads", n_threads, low=1)
+        threads_batch = threads if n_threads_batch is None else integer("n_threads_batch", n_threads_batch, low=1)
 
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -132,7 +123,7 @@ class Context(Handle):
         if ptr == ffi.NULL:
             model._release()
             why = "; ".join(recent_errors()) or "no reason given"
-            raise AiollamaError(f"llama.cpp could not create a context: {why}")
+            raise ContextCreateError(f"llama.cpp could not create a context: {why}")
         self._own(ptr)
         self.model = model
         self.vocab: Vocab = model.vocab
@@ -145,9 +136,6 @@ class Context(Handle):
         self.kv_unified = kv_unified
         self.n_vocab = self.vocab.n_tokens
         self._outputs: frozenset[int] = frozenset()
-        # Test hook: when set, called with each batch; a non-None return is used as llama_decode's
-        # return code instead of decoding (fault injection for the engine's recovery paths).
-        self.fault_hook: Callable[[Batch], int | None] | None = None
 
     def _free(self, ptr: Any) -> None:
         self._outputs = frozenset()
@@ -167,8 +155,8 @@ class Context(Handle):
         return lib.llama_n_threads(ptr), lib.llama_n_threads_batch(ptr)
 
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
-        _positive("n_threads", n_threads)
-        batch = n_threads if n_threads_batch is None else _positive("n_threads_batch", n_threads_batch)
+        integer("n_threads", n_threads, low=1)
+        batch = n_threads if n_threads_batch is None else integer("n_threads_batch", n_threads_batch, low=1)
         lib.llama_set_n_threads(self._get(), n_threads, batch)
 
     def request_abort(self) -> None:
@@ -181,15 +169,10 @@ class Context(Handle):
     def clear_abort(self) -> None:
         lib.aiollama_flag_store(self._abort_flag, 0)
 
-    @property
-    def abort_requested(self) -> bool:
-        return bool(lib.aiollama_flag_load(self._abort_flag))
-
     # decoding
 
     def _check_seq(self, seq_id: object, *, allow_all: bool = False) -> int:
-        _check_int("seq_id", seq_id)
-        assert isinstance(seq_id, int)
+        seq_id = integer("seq_id", seq_id)
         if allow_all and seq_id == -1:
             return seq_id
         if not 0 <= seq_id < self.n_seq_max:
@@ -226,9 +209,6 @@ class Context(Handle):
         self._check_batch(batch)
         self._outputs = frozenset()
         c.n_tokens = batch.n_tokens
-        injected = self.fault_hook(batch) if self.fault_hook is not None else None
-        if injected is not None:
-            return DecodeStatus(injected)  # a test fault: nothing was decoded, memory untouched
         status = DecodeStatus(lib.llama_decode(ptr, c))
         if status is DecodeStatus.OK:
             self._outputs = frozenset(batch.outputs)
@@ -242,7 +222,7 @@ class Context(Handle):
     def check_output(self, idx: int) -> int:
         """Return ``idx`` if that row of the last decode has logits, else raise InvalidOutputError."""
         self._get()
-        _check_int("idx", idx)
+        integer("idx", idx)
         if idx not in self._outputs:
             rows = sorted(self._outputs)
             shown = rows if len(rows) <= 16 else rows[:16] + ["..."]
@@ -258,12 +238,11 @@ class Context(Handle):
 
     # memory (KV cache)
 
-    def memory_clear(self, data: bool = False) -> None:
-        self._get()
-        lib.llama_memory_clear(self._memory, data)
-
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """Remove positions [p0, p1) of ``seq_id`` (-1: every sequence; negative bounds: open)."""
+        """Remove positions [p0, p1) of ``seq_id`` (-1: every sequence; negative bounds: open).
+
+        False when the memory cannot remove part of a sequence (recurrent models).
+        """
         self._get()
         return bool(lib.llama_memory_seq_rm(self._memory, self._check_seq(seq_id, allow_all=True), p0, p1))
 
@@ -285,11 +264,8 @@ class Context(Handle):
                     "(kv_unified=False) can only copy whole sequences (p0=p1=-1)")
         lib.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
 
-    def seq_keep(self, seq_id: int) -> None:
-        self._get()
-        lib.llama_memory_seq_keep(self._memory, self._check_seq(seq_id))
-
     def seq_pos_min(self, seq_id: int) -> int:
+        """The first cached position of ``seq_id``, or -1 if it holds nothing."""
         self._get()
         return int(lib.llama_memory_seq_pos_min(self._memory, self._check_seq(seq_id)))
 
@@ -310,13 +286,13 @@ class Context(Handle):
         return bytes(ffi.buffer(buf, n))
 
     def set_seq_state(self, seq_id: int, state: bytes) -> None:
-        """Replace ``seq_id``'s cache with a saved state. Raises AiollamaError if it does not fit."""
+        """Replace ``seq_id``'s cache with a saved state. Raises StateRestoreError if it does not fit."""
         ptr = self._get()
         self._check_seq(seq_id)
         if not state:
             raise InvalidRequestError("empty sequence state")
         if lib.llama_state_seq_set_data(ptr, state, len(state), seq_id) == 0:
-            raise AiollamaError(f"could not restore the state of sequence {seq_id} (no room, or another layout)")
+            raise StateRestoreError(f"could not restore the state of sequence {seq_id} (no room, or another layout)")
 
     def perf(self) -> Perf:
         """llama.cpp's timings; they are accumulated when the context synchronizes."""

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from aiollama.errors import ClosedError, InvalidRequestError, InvalidTokenError, ModelLoadError
+from aiollama._validate import integer
+from aiollama.errors import (
+    ClosedError,
+    InvalidRequestError,
+    InvalidTokenError,
+    ModelIsADirectory,
+    ModelLoadError,
+    ModelNotFound,
+)
 from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
 from aiollama.native.handle import Handle, count
 
@@ -18,9 +27,9 @@ GGUF_HEADER_SIZE = 4 + 4 + 8 + 8
 
 def _check_gguf(path: str) -> None:
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model file not found: {path}")
+        raise ModelNotFound(f"model file not found: {path}")
     if os.path.isdir(path):
-        raise IsADirectoryError(f"model path is a directory, not a GGUF file: {path}")
+        raise ModelIsADirectory(f"model path is a directory, not a GGUF file: {path}")
     with open(path, "rb") as f:
         head = f.read(GGUF_HEADER_SIZE)
     if head[:4] != GGUF_MAGIC:
@@ -36,7 +45,8 @@ class Model(Handle):
     native model alive until they are closed too, so handles can be closed in any order.
 
     Raises:
-        FileNotFoundError, IsADirectoryError: no file at ``path``.
+        ModelNotFound, ModelIsADirectory: no file at ``path`` (also FileNotFoundError and
+            IsADirectoryError).
         ModelLoadError: not GGUF, truncated, or refused by llama.cpp (the message carries its log).
     """
 
@@ -51,8 +61,7 @@ class Model(Handle):
         use_mmap: bool = True,
     ) -> None:
         self.path = os.fspath(path)
-        if not isinstance(n_gpu_layers, int) or isinstance(n_gpu_layers, bool):
-            raise InvalidRequestError(f"n_gpu_layers must be an int, got {n_gpu_layers!r}")
+        integer("n_gpu_layers", n_gpu_layers, low=-1)
         _check_gguf(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
@@ -64,14 +73,14 @@ class Model(Handle):
             why = "; ".join(recent_errors()) or "no reason given"
             raise ModelLoadError(f"llama.cpp could not load {self.path}: {why}")
         self._native = ptr
-        count(self._kind, 1)
-        self._ptr = ptr
+        self._own(ptr)  # the caller's view; the native model is freed once nobody holds it
         self._users = 0
         self._lock = threading.Lock()
         self.vocab = Vocab(self)
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
         self.n_embd: int = lib.llama_model_n_embd(ptr)
         self.n_layer: int = lib.llama_model_n_layer(ptr)
+        # Recurrent and hybrid memories cannot drop the tail of a sequence (seq_rm of a partial range)
         self.is_recurrent: bool = bool(lib.llama_model_is_recurrent(ptr) or lib.llama_model_is_hybrid(ptr))
 
     # Lifetime: _ptr is the caller's view (None once closed); _native is freed only when the
@@ -153,10 +162,45 @@ class Vocab:
         self.eos: int = lib.llama_vocab_eos(ptr)
         self.eot: int = lib.llama_vocab_eot(ptr)
         self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(ptr))
-        self.add_eos: bool = bool(lib.llama_vocab_get_add_eos(ptr))
+        self._specials: list[tuple[int, str, int]] | None = None
 
     def _get(self) -> Any:
         return lib.llama_model_get_vocab(self._model._alive())
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[Vocab]:
+        """Keep the native model alive for the block: another thread may close it meanwhile.
+
+        Raises ClosedError if it is already gone.
+        """
+        self._model._acquire_native()
+        try:
+            yield self
+        finally:
+            self._model._release()
+
+    def special_tokens(self) -> list[tuple[int, str, int]]:
+        """``(id, text, attributes)`` of every token the tokenizer splits out of text before
+        anything else (control, user-defined and unknown tokens), longest text first, as llama.cpp's
+        tokenizer tries them. Attributes are ``LLAMA_TOKEN_ATTR_*`` bits."""
+        if self._specials is None:
+            ptr = self._get()
+            wanted = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+            found = []
+            for token in range(self.n_tokens):
+                attr = int(lib.llama_vocab_get_attr(ptr, token))
+                if attr & wanted:
+                    text = ffi.string(lib.llama_vocab_get_text(ptr, token)).decode("utf-8", "replace")
+                    if text:
+                        found.append((token, text, attr))
+            found.sort(key=lambda t: (-len(t[1].encode()), t[0]))
+            self._specials = found
+        return self._specials
+
+    def chat_template(self, name: str | None = None) -> str | None:
+        """The model's chat template from its GGUF metadata, or None."""
+        raw = lib.llama_model_chat_template(self._model._alive(), name.encode() if name else ffi.NULL)
+        return None if raw == ffi.NULL else str(ffi.string(raw).decode("utf-8", "replace"))
 
     def check_token(self, token: int) -> int:
         """Return ``token`` if it is a valid id of this vocabulary, else raise InvalidTokenError."""

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from aiollama._validate import integer, number
 from aiollama.errors import GrammarError, InvalidRequestError
 from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
 from aiollama.native.context import Context
@@ -19,17 +20,8 @@ from aiollama.native.model import Vocab
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
 
 
-def _finite(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
 def _unit(name: str, value: object) -> float:
-    v = _finite(name, value)
-    if not 0.0 <= v <= 1.0:
-        raise InvalidRequestError(f"{name} must be in [0, 1], got {value!r}")
-    return v
+    return number(name, value, low=0.0, high=1.0)
 
 
 class SamplerChain(Handle):
@@ -70,16 +62,14 @@ class SamplerChain(Handle):
         return self._add("greedy", lib.llama_sampler_init_greedy())
 
     def add_dist(self, seed: int = DEFAULT_SEED) -> SamplerChain:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 0xFFFFFFFF:
-            raise InvalidRequestError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        integer("seed", seed, low=0, high=DEFAULT_SEED)
         return self._add("dist", lib.llama_sampler_init_dist(seed))
 
     def add_temp(self, t: float) -> SamplerChain:
-        return self._add("temp", lib.llama_sampler_init_temp(_finite("temperature", t)))
+        return self._add("temp", lib.llama_sampler_init_temp(number("temperature", t)))
 
     def add_top_k(self, k: int) -> SamplerChain:
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise InvalidRequestError(f"top_k must be an int, got {k!r}")
+        integer("top_k", k)
         return self._add("top_k", lib.llama_sampler_init_top_k(k))
 
     def add_top_p(self, p: float, min_keep: int = 1) -> SamplerChain:
@@ -94,17 +84,15 @@ class SamplerChain(Handle):
     def add_penalties(
         self, last_n: int = 64, repeat: float = 1.0, frequency: float = 0.0, presence: float = 0.0
     ) -> SamplerChain:
-        if isinstance(last_n, bool) or not isinstance(last_n, int) or last_n < -1:
-            raise InvalidRequestError(f"penalty_last_n must be an int >= -1, got {last_n!r}")
-        if _finite("repeat_penalty", repeat) <= 0:
-            raise InvalidRequestError(f"repeat_penalty must be > 0, got {repeat!r}")
+        integer("penalty_last_n", last_n, low=-1)
+        number("repeat_penalty", repeat, low=0.0, low_open=True)
         smpl = lib.llama_sampler_init_penalties(
-            self.vocab.n_tokens, last_n, repeat, _finite("frequency_penalty", frequency),
-            _finite("presence_penalty", presence))
+            self.vocab.n_tokens, last_n, repeat, number("frequency_penalty", frequency),
+            number("presence_penalty", presence))
         return self._add("penalties", smpl)
 
     def add_logit_bias(self, bias: Mapping[int, float]) -> SamplerChain:
-        items = [(self.vocab.check_token(t), _finite("logit_bias", b)) for t, b in bias.items()]
+        items = [(self.vocab.check_token(t), number("logit_bias", b)) for t, b in bias.items()]
         arr = ffi.new("llama_logit_bias[]", max(1, len(items)))
         for i, (t, b) in enumerate(items):
             arr[i].token = t
@@ -158,9 +146,6 @@ class SamplerChain(Handle):
         if self._grammar is not None and not self._grammar_allows(token):
             raise GrammarError(f"the grammar does not accept token {token} here")
         lib.llama_sampler_accept(chain, token)
-
-    def reset(self) -> None:
-        lib.llama_sampler_reset(self._get())
 
     def clone(self) -> SamplerChain:
         """An independent copy, state included (RNG, penalty history, grammar position)."""

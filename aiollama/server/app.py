@@ -25,9 +25,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from aiollama.conversation import Chunk, Conversation, Stream
-from aiollama.decode_loop import Statistics
-from aiollama.engine import Engine
+from aiollama import Chunk, Conversation, Engine, FinishReason, Statistics, Stream
 from aiollama.errors import (
     AiollamaError,
     ClosedError,
@@ -37,10 +35,12 @@ from aiollama.errors import (
     Overloaded,
 )
 from aiollama.models import default_model
+from aiollama.sampling import seed_for
 from aiollama.server.metrics import Metrics
 from aiollama.server.requests import BadRequest, Request, chat_request, completion_request
 
-FINISH = {"eog": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+FINISH = {FinishReason.EOG: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+          FinishReason.CANCELLED: "stop"}
 
 
 @dataclass
@@ -55,7 +55,8 @@ class _State:
 
     def name(self) -> str:
         """The model id clients see: as given, else the served file's name."""
-        return self.model_name or (self.engine.model_path.stem if self.engine is not None else "default")
+        path = self.engine.model_path if self.engine is not None else None
+        return self.model_name or (Path(path).stem if path is not None else "default")
 
     owns_engine: bool = False
 
@@ -127,11 +128,8 @@ def _error(exc: BadRequest, state: _State) -> JSONResponse:
 
 def _engine(state: _State) -> Engine:
     engine = state.engine
-    try:
-        if engine is not None and engine.core.usable:
-            return engine
-    except AiollamaError:  # not started yet, or closed
-        pass
+    if engine is not None and engine.serving:
+        return engine
     raise BadRequest("the engine is not serving", status=503, code="unavailable")
 
 
@@ -213,7 +211,7 @@ def _start(state: _State, req: Request, chat: bool) -> _Job:
         for i, conv in enumerate(convs):
             params = dict(req.params)
             if "seed" in params:
-                params["seed"] = (params["seed"] + i) % (2**32 - 1)
+                params["seed"] = seed_for(params["seed"], i)
             streams.append(conv.stream(**params))
     except BaseException as exc:
         for conv in {root, *convs}:
@@ -293,11 +291,15 @@ async def _serve(state: _State, request: HttpRequest, req: Request, chat: bool) 
             await job.close()
     if error is not None:
         raise _translate(error)
-    choices = [_choice(job, i, text, FINISH.get(job.streams[i].finish_reason or "", "stop"))
+    choices = [_choice(job, i, text, _finish(job.streams[i]))
                for i, text in enumerate(texts)]
     return JSONResponse({"id": job.id, "object": "chat.completion" if chat else "text_completion",
                          "created": job.created, "model": job.model, "choices": choices,
                          "usage": _usage(job, completion_tokens)})
+
+
+def _finish(stream: Stream) -> str:
+    return FINISH.get(stream.finish_reason, "stop")  # type: ignore[arg-type]
 
 
 def _choice(job: _Job, i: int, text: str, finish: str | None) -> dict[str, Any]:
@@ -347,7 +349,7 @@ async def _events(job: _Job, state: _State, req: Request) -> AsyncIterator[str]:
                     error = item
                     break
                 if item is None:
-                    finish = FINISH.get(job.streams[i].finish_reason or "", "stop")
+                    finish = _finish(job.streams[i])
                     yield event([_delta(job, i, "", finish)])
                 else:
                     completion_tokens += len(item.tokens)

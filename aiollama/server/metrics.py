@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from aiollama.decode_loop import STEP_BUCKETS, Statistics
+from aiollama import Statistics
 
 
 class EngineCollector(Collector):
@@ -36,7 +36,7 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("aiollama_decode_steps", "Decode steps", value=s.decode_steps)
         if s.step_histogram:
             cumulative = list(itertools.accumulate(s.step_histogram))
-            buckets = [(str(b), n) for b, n in zip(STEP_BUCKETS, cumulative)]
+            buckets = [(str(b), n) for b, n in zip(s.step_buckets, cumulative)]
             buckets.append(("+Inf", cumulative[-1]))
             yield HistogramMetricFamily("aiollama_step_seconds", "Time of one decode step",
                                         buckets=buckets, sum_value=s.step_seconds)

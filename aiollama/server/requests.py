@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiollama.sampling import wrap_seed
+
 MAX_N = 16
 MAX_STOP = 4
 
@@ -76,7 +78,7 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
             params[name] = value
     seed = _integer(body, "seed", -(2**63))
     if seed is not None:
-        params["seed"] = seed % (2**32 - 1)
+        params["seed"] = wrap_seed(seed)
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop

@@ -1,0 +1,226 @@
+"""What crosses the thread boundary: the engine's settings, commands into the decode thread, what
+comes out of it (deltas, acknowledgements, statistics), and the one counter both sides share.
+
+Everything here is immutable, except :class:`Admission`, which is locked. Commands go through one
+FIFO queue, so a conversation's commands take effect in the order its caller issued them.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiollama._validate import MAX_SEQ, integer
+from aiollama.errors import InvalidRequestError
+from aiollama.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An engine's settings, checked on creation; the only place their defaults are written.
+
+    ``model_path`` None means the default model (fetched on first use). ``n_ctx`` is the KV cache
+    shared by every conversation; ``n_seq_max`` how many generations share a batch; ``n_batch`` the
+    most tokens one ``llama_decode`` takes; ``step_tokens`` the per-step token budget (decode rows of
+    running streams first, prompt chunks share the rest); ``n_threads`` None takes the CPUs this
+    process may use; ``max_queued`` bounds the generations waiting for a seq id.
+    """
+
+    model_path: Path | None = None
+    n_ctx: int = 8192
+    n_seq_max: int = 16
+    n_batch: int = 512
+    step_tokens: int = 256
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    max_queued: int = 1024
+
+    def __post_init__(self) -> None:
+        integer("n_ctx", self.n_ctx, low=1)
+        integer("n_seq_max", self.n_seq_max, low=1, high=MAX_SEQ)
+        integer("n_batch", self.n_batch, low=1)
+        integer("step_tokens", self.step_tokens, low=1)
+        if self.n_threads is not None:
+            integer("n_threads", self.n_threads, low=1)
+        integer("n_gpu_layers", self.n_gpu_layers, low=-1)
+        integer("max_queued", self.max_queued, low=0)
+        if self.model_path is not None:
+            object.__setattr__(self, "model_path", Path(self.model_path))
+
+    @classmethod
+    def from_options(cls, model_path: Any = None, **options: Any) -> EngineConfig:
+        """Build from keyword options; an unknown name raises ``InvalidRequestError`` naming it."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(model_path, **options)
+
+
+class FinishReason(str, enum.Enum):
+    """How a generation ended. A ``str``: ``reason == "eog"`` and ``json.dumps`` keep working."""
+
+    EOG = "eog"  # the model ended its turn (an end-of-generation token)
+    STOP = "stop"  # a stop string appeared (it is not part of the text)
+    LENGTH = "length"  # max_tokens, or the context is full
+    CANCELLED = "cancelled"  # cancelled by the caller, or the engine closed under it
+    ERROR = "error"  # the stream raised (only on Stream.finish_reason; never in a Delta)
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One step's output for one stream.
+
+    ``text`` and ``tokens`` are what the stream shows; ``history`` is every token the step appended
+    to the conversation (also an end-of-generation token, which the stream does not show).
+    """
+
+    text: str = ""
+    tokens: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: BaseException | None = None
+    history: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The answer to a :class:`Close`: everything the conversation held is freed."""
+
+
+Item = Delta | Ack
+
+
+class Portal(Protocol):
+    """Runs a callback in the consumer's context (its event loop, or at once for threads).
+
+    ``send`` never blocks the decode thread; it returns False when nobody can receive any more (the
+    event loop is closed). ``owner`` is the event loop (or trio token) it delivers into.
+    """
+
+    owner: Any
+
+    def send(self, callback: Callable[[], None]) -> bool: ...
+
+
+class Sink(Protocol):
+    """Where a stream's items go. ``deliver`` runs through ``portal``, in the consumer's context."""
+
+    portal: Portal
+
+    def deliver(self, item: Item) -> None: ...
+
+
+@dataclass(frozen=True)
+class NewConversation:
+    conv: int
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Append tokens; while the conversation generates, they wait until that generation ends."""
+
+    conv: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Fork:
+    """A new conversation ``child`` holding the first ``n_tokens`` tokens of ``parent``'s history."""
+
+    parent: int
+    child: int
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class Generate:
+    conv: int
+    params: SamplingParams
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """End the conversation's generation, if any, with ``FinishReason.CANCELLED``."""
+
+    conv: int
+
+
+@dataclass(frozen=True)
+class Close:
+    """Cancel, then free the conversation's seq id and cells; ``ack`` gets an :class:`Ack`."""
+
+    conv: int
+    ack: Sink | None = None
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Command = NewConversation | Prompt | Fork | Generate | Cancel | Close | Shutdown
+
+
+class Admission:
+    """The count of generations waiting for a seq id, shared by callers and the decode thread.
+
+    A caller enters before sending ``Generate`` (or gets ``False``: the engine is overloaded); the
+    decode thread leaves once the generation is admitted or ended.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self._count >= self.limit:
+                return False
+            self._count += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._count -= 1
+
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """A snapshot of the engine, published by the decode thread after every step."""
+
+    live: int = 0  # conversations not closed
+    active: int = 0  # generating, holding a seq id
+    queued: int = 0  # waiting for a seq id
+    kv_cells_used: int = 0
+    kv_cells_total: int = 0
+    seq_ids_used: int = 0  # held by active conversations and by idle ones caching their KV
+    n_seq_max: int = 0
+    tokens_evaluated: int = 0  # rows decoded: prompts, re-evaluations and sampled tokens
+    tokens_generated: int = 0
+    decode_steps: int = 0
+    aborted_steps: int = 0  # decodes interrupted by a cancel (their partial KV is kept consistent)
+    decode_seconds: float = 0.0  # inside llama_decode
+    step_seconds: float = 0.0  # whole steps: planning, batch filling, decode, sampling, delivery
+    step_histogram: tuple[int, ...] = ()  # steps per step_buckets interval, the last one unbounded
+    step_buckets: tuple[float, ...] = field(default=STEP_BUCKETS)
+
+    @property
+    def python_overhead(self) -> float:
+        """Share of step time spent outside ``llama_decode``."""
+        return 0.0 if self.step_seconds <= 0 else 1.0 - self.decode_seconds / self.step_seconds

@@ -1,0 +1,152 @@
+"""The callers' side of one engine: what every conversation of it shares.
+
+:class:`EngineClient` sends commands to the decode thread, hands out conversation ids, counts
+queued generations, and tokenizes on the caller's thread. It is the only thing conversations talk
+to; nothing here runs on the decode thread or calls llama.cpp, except the thread-safe tokenizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiollama.boundary import Admission, Command, EngineConfig, Portal, Statistics
+from aiollama.chat import ChatTemplate, Segment, chat_tokens
+from aiollama.decode_loop import DecodeLoop
+from aiollama.errors import ChatTemplateError, EngineClosed, EngineDead, InvalidRequestError, WrongEventLoop
+from aiollama.portal import current_portal
+from aiollama.step import Executor, Tokenizer
+
+
+class EngineClient:
+    """Starts and stops the decode thread, and carries every caller's request to it.
+
+    ``owner`` is the event loop (or trio token) of an async engine: calls from anywhere else raise
+    ``WrongEventLoop``. None serves plain threads.
+    """
+
+    def __init__(self, config: EngineConfig, open_executor: Callable[[], Executor], owner: Any = None) -> None:
+        self.config = config
+        self.owner = owner
+        self.admission = Admission(config.max_queued)
+        self.decoder = DecodeLoop(config, open_executor, self.admission)
+        self.closed = False
+        self._ids = itertools.count(1)
+        self._tokenizer: Tokenizer | None = None
+        self._chat_template: ChatTemplate | None = None
+
+    # lifetime
+
+    def start(self) -> None:
+        """Open the executor on the decode thread; blocks until it is ready, re-raises its failure."""
+        self.decoder.start()
+        try:
+            self.decoder.wait_ready()
+        except BaseException:
+            self.close()  # the decode thread has already ended; nothing stays open
+            raise
+        self._tokenizer = self.decoder.tokenizer
+
+    def close(self) -> None:
+        """Stop the decode thread (running streams end with EngineClosed); raises EngineDead if it
+        had failed."""
+        self.closed = True
+        self.decoder.shutdown()
+        if self.decoder.dead is not None:
+            raise self.decoder.dead
+
+    def close_nowait(self) -> None:
+        """Ask the decode thread to stop without waiting for it (from a finalizer, say)."""
+        self.closed = True
+        self.decoder.shutdown(timeout=0)
+
+    @property
+    def dead(self) -> EngineDead | None:
+        return self.decoder.dead
+
+    @property
+    def usable(self) -> bool:
+        return not self.closed and self.decoder.dead is None and self.decoder.alive
+
+    def check(self) -> None:
+        """Raise unless the engine can take requests."""
+        if self.decoder.dead is not None:
+            raise self.decoder.dead
+        if self.closed or self._tokenizer is None:
+            raise EngineClosed("the engine is closed" if self.closed else "the engine is not started")
+
+    def check_loop(self) -> Portal:
+        """The caller's portal; WrongEventLoop if an async engine is used outside its own loop."""
+        portal = current_portal()
+        if self.owner is not None and portal.owner is not self.owner:
+            raise WrongEventLoop("this engine belongs to the event loop that started it; start one "
+                                 "engine per event loop, or use SyncEngine from threads")
+        return portal
+
+    def send(self, command: Command) -> None:
+        self.check()
+        self.decoder.send(command)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def statistics(self) -> Statistics:
+        return self.decoder.statistics
+
+    @property
+    def n_ctx(self) -> int:
+        return self.decoder.n_ctx
+
+    # tokens
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        self.check()
+        assert self._tokenizer is not None
+        return self._tokenizer
+
+    def tokenize(self, text: str, *, add_special: bool, special: bool) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=add_special, special=special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.detokenize(tokens)
+
+    def encode(self, content: str | Sequence[int], *, first: bool, special: bool) -> list[int]:
+        """Token ids for a prompt: text is tokenized (BOS on the first prompt), ids are checked."""
+        if isinstance(content, str):
+            return self.tokenize(content, add_special=first, special=special)
+        if isinstance(content, (bytes, bytearray)) or not isinstance(content, Sequence):
+            raise InvalidRequestError(f"a prompt is text or a sequence of token ids, got {type(content).__name__}")
+        tokenizer = self.tokenizer
+        return [tokenizer.check_token(t) for t in content]
+
+    # chat
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (built on first use)."""
+        if self._chat_template is None:
+            tokenizer = self.tokenizer
+            source = tokenizer.chat_template()
+            texts = {t: tokenizer.token_text(t) for t in (tokenizer.bos, tokenizer.eos, tokenizer.eot) if t >= 0}
+
+            def builtin(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+                try:
+                    return tokenizer.builtin_chat(messages, source or "chatml", add_generation_prompt)
+                except InvalidRequestError:  # a template llama.cpp does not recognize
+                    return tokenizer.builtin_chat(messages, "chatml", add_generation_prompt)
+
+            self._chat_template = ChatTemplate(
+                source, bos_token=texts.get(tokenizer.bos, ""), eos_token=texts.get(tokenizer.eos, ""),
+                builtin=builtin, eog_texts=[texts[t] for t in (tokenizer.eot, tokenizer.eos) if t in texts])
+        return self._chat_template
+
+    def chat_tokens(self, parts: list[Segment], *, first: bool) -> list[int]:
+        """Tokens of rendered chat text: split only at the template's own special tokens."""
+        return chat_tokens(self.tokenizer, parts, first=first)
+
+    def check_role(self, role: str) -> None:
+        if self.tokenize(role, add_special=False, special=True) != self.tokenize(role, add_special=False,
+                                                                                  special=False):
+            raise ChatTemplateError(f"the role {role!r} holds special-token text")

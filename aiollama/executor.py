@@ -1,0 +1,143 @@
+"""The executor: the only code on the decode thread that calls llama.cpp.
+
+It owns the model, the context, the batch and one sampler chain per generating conversation, and
+turns a :class:`~aiollama.step.Plan` into a :class:`~aiollama.step.StepResult`: apply the plan's KV
+operations, fill the batch, run ``llama_decode`` (the GIL is released while it runs), sample each
+slice that asks for logits, and read the chosen tokens' bytes. It decides nothing: what to decode
+and what a token means for its stream are the scheduler's and the generations' business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiollama.boundary import EngineConfig
+from aiollama.errors import DecodeError, UnsupportedModel
+from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab
+from aiollama.native.sampler import DEFAULT_SEED
+from aiollama.sampling import SamplingParams
+from aiollama.step import Copy, Op, Plan, Remove, Sampled, StepResult, StepStatus, Tokenizer
+from aiollama.tokenizer import VocabTokenizer
+
+
+def build_chain(vocab: Vocab, params: SamplingParams, history: Sequence[int]) -> SamplerChain:
+    """A sampler chain for one stream; penalties see the conversation's recent history."""
+    chain = SamplerChain(vocab)
+    try:
+        if params.uses_penalties:
+            chain.add_penalties(params.penalty_last_n, params.repeat_penalty,
+                                params.frequency_penalty, params.presence_penalty)
+            recent = history if params.penalty_last_n < 0 else history[-params.penalty_last_n:]
+            for token in recent:
+                chain.accept(token)  # the chain holds only penalties yet: no grammar sees the prompt
+        if params.logit_bias:
+            chain.add_logit_bias(params.logit_bias)
+        if params.grammar is not None:
+            chain.add_grammar(params.grammar)
+        if params.greedy:
+            chain.add_greedy()
+            return chain
+        if params.top_k > 0:
+            chain.add_top_k(params.top_k)
+        if params.typical_p < 1.0:
+            chain.add_typical(params.typical_p)
+        if params.top_p < 1.0:
+            chain.add_top_p(params.top_p)
+        if params.min_p > 0.0:
+            chain.add_min_p(params.min_p)
+        chain.add_temp(params.temperature)
+        chain.add_dist(DEFAULT_SEED if params.seed is None else params.seed)
+        return chain
+    except BaseException:
+        chain.close()
+        raise
+
+
+class NativeExecutor:
+    """:class:`~aiollama.step.Executor` over llama.cpp. Build it on the thread that will use it.
+
+    Raises:
+        ModelLoadError (and its subclasses): the model cannot be loaded or served.
+        ContextCreateError: llama.cpp could not create the context.
+    """
+
+    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+        with contextlib.ExitStack() as stack:
+            self.model: Model = stack.enter_context(Model(model_path, n_gpu_layers=config.n_gpu_layers))
+            if self.model.is_recurrent:
+                raise UnsupportedModel(
+                    f"{model_path.name} is a recurrent or hybrid model; its memory cannot drop the end "
+                    "of a sequence, which this engine needs to share prefixes, preempt and cancel")
+            self.ctx: Context = stack.enter_context(Context(
+                self.model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=config.n_seq_max,
+                n_threads=config.n_threads, kv_unified=True))
+            self.batch: Batch = stack.enter_context(Batch(self.ctx.n_batch))
+            self._handles = stack.pop_all()
+        self.vocab = self.model.vocab
+        self.tokenizer: Tokenizer = VocabTokenizer(self.vocab)
+        self.n_ctx, self.n_seq_max, self.n_batch = self.ctx.n_ctx, self.ctx.n_seq_max, self.ctx.n_batch
+        self._chains: dict[int, SamplerChain] = {}
+
+    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int]) -> None:
+        self._chains[conv] = build_chain(self.vocab, params, history)
+
+    def stop_sampling(self, conv: int) -> None:
+        chain = self._chains.pop(conv, None)
+        if chain is not None:
+            chain.close()
+
+    def execute(self, plan: Plan) -> StepResult:
+        self._apply(plan.ops)
+        if not plan.slices:
+            return StepResult(StepStatus.OK)
+        batch = self.batch
+        batch.clear()
+        outputs: list[tuple[int, int]] = []
+        for s in plan.slices:
+            last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits)
+            if s.logits:
+                outputs.append((s.conv, last))
+        start = time.perf_counter()
+        try:
+            status = self._decode(batch)
+        finally:
+            # Not cleared before the decode: a cancel that arrives between planning and decoding
+            # must still interrupt it.
+            self.ctx.clear_abort()
+        elapsed = time.perf_counter() - start
+        if status is DecodeStatus.OK:
+            return StepResult(StepStatus.OK, tuple(self._sample(conv, row) for conv, row in outputs),
+                              decode_seconds=elapsed)
+        if status is DecodeStatus.NO_KV_SLOT:
+            return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed)
+        # ABORTED and failures keep the ubatches computed before them: say what the context holds
+        n_cached = {s.conv: self.ctx.seq_pos_max(s.seq_id) + 1 for s in plan.slices}
+        kind = StepStatus.ABORTED if status is DecodeStatus.ABORTED else StepStatus.FAILED
+        return StepResult(kind, n_cached=n_cached, decode_seconds=elapsed, detail=f"llama_decode: {status.name}")
+
+    def _decode(self, batch: Batch) -> DecodeStatus:
+        return self.ctx.decode(batch)
+
+    def _apply(self, ops: Sequence[Op]) -> None:
+        for op in ops:
+            if isinstance(op, Remove):
+                if not self.ctx.seq_rm(op.seq_id, op.p0, -1):
+                    raise DecodeError(f"llama.cpp could not remove positions {op.p0}.. of sequence {op.seq_id}")
+            elif isinstance(op, Copy):
+                self.ctx.seq_cp(op.src, op.dst, 0, op.n)
+
+    def _sample(self, conv: int, row: int) -> Sampled:
+        token = self._chains[conv].sample(self.ctx, row)
+        return Sampled(conv, token, self.vocab.token_to_piece(token), self.vocab.is_eog(token))
+
+    def request_abort(self) -> None:
+        self.ctx.request_abort()
+
+    def close(self) -> None:
+        for chain in self._chains.values():
+            chain.close()
+        self._chains.clear()
+        self._handles.close()  # batch, context, model: the reverse of their creation

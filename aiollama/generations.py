@@ -1,0 +1,119 @@
+"""Running generations and the rules that end them. Pure: no llama.cpp, no event loop.
+
+A generation is one ``stream()`` of one conversation: its sampling parameters, where its output
+goes, and the text assembled so far. Each sampled token becomes a :class:`~aiollama.boundary.Delta`
+for its stream, and ends the generation when:
+
+- it is an end-of-generation token (unless ``ignore_eos``): ``EOG``, the token is not shown;
+- the text now holds a stop string: ``STOP``, the text stops before it;
+- ``max_tokens`` tokens were generated, or the history fills the context: ``LENGTH``.
+
+Prompts sent while a conversation generates wait here and are appended once the generation ends,
+so a conversation's commands keep their order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiollama.boundary import Admission, Delta, FinishReason, Portal, Sink
+from aiollama.outbox import Outbox
+from aiollama.sampling import SamplingParams
+from aiollama.step import Sampled, StepResult
+from aiollama.text import TextAssembler
+
+
+@dataclass(eq=False)
+class Generation:
+    params: SamplingParams
+    sink: Sink
+    text: TextAssembler
+    n_generated: int = 0
+    queued: bool = True  # counts against max_queued until admitted
+
+
+class Generations:
+    def __init__(self, admission: Admission, outbox: Outbox, n_ctx: int) -> None:
+        self.admission = admission
+        self.outbox = outbox
+        self.n_ctx = n_ctx
+        self._gens: dict[int, Generation] = {}
+        self._deferred: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+
+    def __contains__(self, conv: int) -> bool:
+        return conv in self._gens
+
+    def __len__(self) -> int:
+        return len(self._gens)
+
+    def convs(self) -> list[int]:
+        return list(self._gens)
+
+    def start(self, conv: int, params: SamplingParams, sink: Sink) -> None:
+        self._gens[conv] = Generation(params, sink, TextAssembler(params.stop))
+
+    def admitted(self, convs: tuple[int, ...]) -> None:
+        """These generations got a seq id: they no longer count against ``max_queued``."""
+        for conv in convs:
+            gen = self._gens.get(conv)
+            if gen is not None and gen.queued:
+                gen.queued = False
+                self.admission.leave()
+
+    def defer(self, conv: int, tokens: tuple[int, ...]) -> bool:
+        """Hold a prompt for a generating conversation until its generation ends; False if it is
+        not generating (append the prompt at once)."""
+        if conv not in self._gens:
+            return False
+        self._deferred[conv].append(tokens)
+        return True
+
+    def deferred(self, conv: int) -> list[tuple[int, ...]]:
+        """The prompts waiting for ``conv``'s generation to end (a fork inherits them)."""
+        return list(self._deferred.get(conv, ()))
+
+    def update(self, result: StepResult, history_len: Callable[[int], int]) -> list[int]:
+        """Turn the step's sampled tokens into deltas; return the conversations whose generation
+        ended (call :meth:`end` for each, after the scheduler has seen the tokens)."""
+        ended = []
+        for sampled in result.sampled:
+            gen = self._gens[sampled.conv]
+            delta = self._next(gen, sampled, history_len(sampled.conv))
+            self.outbox.emit(gen.sink, delta)
+            if delta.finish_reason is not None:
+                ended.append(sampled.conv)
+        return ended
+
+    def _next(self, gen: Generation, sampled: Sampled, history_len: int) -> Delta:
+        gen.n_generated += 1
+        token = (sampled.token,)
+        if sampled.eog and not gen.params.ignore_eos:
+            return Delta(gen.text.finish(), (), FinishReason.EOG, history=token)
+        text = gen.text.feed(sampled.piece)
+        if gen.text.stopped:
+            return Delta(text, token, FinishReason.STOP, history=token)
+        if gen.n_generated >= gen.params.max_tokens or history_len >= self.n_ctx:
+            return Delta(text + gen.text.finish(), token, FinishReason.LENGTH, history=token)
+        return Delta(text, token, history=token)
+
+    def end(self, conv: int, reason: FinishReason | None = None,
+            error: BaseException | None = None) -> list[tuple[int, ...]]:
+        """The generation of ``conv`` is over. With a ``reason`` (or ``error``) its stream is told so
+        here; without, :meth:`update` already emitted its last delta. Returns the prompts that
+        waited for it, to append now."""
+        gen = self._gens.pop(conv)
+        if gen.queued:
+            self.admission.leave()
+        if reason is not None or error is not None:
+            self.outbox.emit(gen.sink, Delta(finish_reason=reason, error=error))
+        return self._deferred.pop(conv, [])
+
+    def forget(self, conv: int) -> None:
+        """The conversation is closed: drop the prompts it still had waiting."""
+        self._deferred.pop(conv, None)
+
+    def of_portal(self, portal: Portal) -> list[int]:
+        """The generations whose stream lives behind ``portal``."""
+        return [conv for conv, gen in self._gens.items() if gen.sink.portal is portal]

@@ -1,0 +1,166 @@
+"""One decode step as plain data: the plan the scheduler makes, the result the executor returns, and
+the two interfaces that stand between the pure layers and llama.cpp.
+
+The decode thread runs ``schedule() -> Plan``, ``Executor.execute(plan) -> StepResult``, then
+``update(plan, result)``. The executor is the only code that calls C; everything else sees only
+these values, so the engine can be driven by a fake executor with no model at all.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiollama.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Remove:
+    """``seq_rm(seq_id, p0, -1)``: drop positions from p0 on."""
+
+    seq_id: int
+    p0: int = 0
+
+
+@dataclass(frozen=True)
+class Copy:
+    """``seq_cp(src, dst, 0, n)``: dst shares src's first n positions."""
+
+    src: int
+    dst: int
+    n: int
+
+
+Op = Remove | Copy
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Consecutive tokens of one sequence in one step. Only a slice that completes the sequence's
+    pending tokens asks for logits (of its last token), to sample the next one."""
+
+    conv: int
+    seq_id: int
+    pos: int
+    tokens: tuple[int, ...]
+    logits: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one step does: KV operations first, then one decode of the slices.
+
+    ``admitted`` lists the conversations that got a seq id in this plan.
+    """
+
+    ops: tuple[Op, ...] = ()
+    slices: tuple[Slice, ...] = ()
+    admitted: tuple[int, ...] = ()
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.slices)
+
+    @property
+    def prefilling(self) -> frozenset[int]:
+        """Conversations with more than one token in this step: a cancel aborts their decode."""
+        return frozenset(s.conv for s in self.slices if len(s.tokens) > 1)
+
+
+class StepStatus(enum.Enum):
+    OK = "ok"
+    NO_KV_SLOT = "no_kv_slot"  # nothing was decoded; the KV memory is as it was
+    ABORTED = "aborted"  # interrupted by a cancel; ``n_cached`` tells what the context holds
+    FAILED = "failed"  # a fatal failure; ``n_cached`` tells what the context holds
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """The token chosen for ``conv``, its bytes, and whether it ends generation."""
+
+    conv: int
+    token: int
+    piece: bytes
+    eog: bool
+
+
+@dataclass(frozen=True)
+class StepResult:
+    status: StepStatus
+    sampled: tuple[Sampled, ...] = ()
+    n_cached: Mapping[int, int] = field(default_factory=dict)  # conv -> positions held, after a failure
+    decode_seconds: float = 0.0
+    detail: str = ""  # why a step failed
+
+
+@dataclass(frozen=True)
+class SpecialToken:
+    """A token the tokenizer splits out of text before anything else (llama.cpp's special tokens).
+
+    ``control`` tokens are split only when special-token parsing is asked for; the others
+    (user-defined) always are. ``lstrip``/``rstrip``: whitespace on that side is dropped.
+    """
+
+    id: int
+    text: str
+    control: bool = True
+    lstrip: bool = False
+    rstrip: bool = False
+
+
+class Tokenizer(Protocol):
+    """The model's tokenizer, usable from any thread."""
+
+    n_vocab: int
+    bos: int  # -1 when the model has none
+    eos: int
+    eot: int
+    add_bos: bool
+
+    def tokenize(self, text: str, *, add_special: bool, special: bool) -> list[int]: ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str: ...
+
+    def check_token(self, token: object) -> int: ...
+
+    def is_control(self, token: int) -> bool: ...
+
+    def token_text(self, token: int) -> str: ...
+
+    def special_tokens(self) -> Sequence[SpecialToken]:
+        """Every special token, longest text first (the order the tokenizer splits them in)."""
+        ...
+
+    def chat_template(self) -> str | None: ...
+
+    def builtin_chat(self, messages: list[dict[str, str]], template: str, add_assistant: bool) -> str:
+        """Render with llama.cpp's built-in templates; InvalidRequestError if it is not one."""
+        ...
+
+
+class Executor(Protocol):
+    """Owns the model, the context and every sampler; lives on the decode thread.
+
+    Built on the decode thread (by the factory the engine is given) and closed there.
+    ``request_abort`` is the only method another thread may call: the running ``execute`` (or the
+    next one) stops early with ``ABORTED``; the request is cleared when ``execute`` returns.
+    """
+
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int
+    tokenizer: Tokenizer
+
+    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int]) -> None:
+        """Prepare ``conv``'s sampler; raises an AiollamaError (GrammarError...) for bad params."""
+        ...
+
+    def stop_sampling(self, conv: int) -> None: ...
+
+    def execute(self, plan: Plan) -> StepResult: ...
+
+    def request_abort(self) -> None: ...
+
+    def close(self) -> None: ...

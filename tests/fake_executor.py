@@ -1,0 +1,164 @@
+"""An executor with no model: the engine's whole thread, scheduling and delivery run against it.
+
+The fake model reads each sequence back from a fake KV cache (so it sees exactly what the engine
+fed it, at the positions it fed it) and picks the next token as a function of that history alone:
+its output is the same whatever runs beside it, so any difference is the engine's fault. Tokens
+0-255 are bytes ('a'..'z' are generated); 256 and up are special tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from aiollama.boundary import EngineConfig
+from aiollama.errors import GrammarError, InvalidRequestError, InvalidTokenError
+from aiollama.sampling import SamplingParams
+from aiollama.step import Plan, Sampled, SpecialToken, StepResult, StepStatus
+from fake_kv import FakeKV
+
+BOS, EOS, IM_START, IM_END = 256, 257, 258, 259
+SPECIALS = {BOS: "<s>", EOS: "</s>", IM_START: "<|im_start|>", IM_END: "<|im_end|>"}
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+class ByteTokenizer:
+    """Bytes as tokens, plus four special tokens (split out only with ``special``)."""
+
+    n_vocab = 260
+    bos, eos, eot = BOS, EOS, IM_END
+    add_bos = False
+
+    def tokenize(self, text: str, *, add_special: bool, special: bool) -> list[int]:
+        out: list[int] = []
+        rest = text
+        while rest:
+            hits = [(rest.find(t), tok, t) for tok, t in SPECIALS.items() if special and t in rest]
+            if not hits:
+                out += list(rest.encode())
+                break
+            at, tok, t = min(hits)
+            out += list(rest[:at].encode()) + [tok]
+            rest = rest[at + len(t):]
+        return out
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def piece(self, token: int) -> bytes:
+        return bytes([token]) if token < 256 else SPECIALS[token].encode()
+
+    def check_token(self, token: object) -> int:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.n_vocab:
+            raise InvalidTokenError(f"token id {token!r} is outside the vocabulary [0, {self.n_vocab})")
+        return token
+
+    def is_control(self, token: int) -> bool:
+        return token >= 256
+
+    def token_text(self, token: int) -> str:
+        return self.piece(token).decode("utf-8", "replace")
+
+    def special_tokens(self) -> Sequence[SpecialToken]:
+        return sorted((SpecialToken(tok, text) for tok, text in SPECIALS.items()), key=lambda s: -len(s.text))
+
+    def chat_template(self) -> str | None:
+        return CHATML
+
+    def builtin_chat(self, messages: list[dict[str, str]], template: str, add_assistant: bool) -> str:
+        raise InvalidRequestError("the fake tokenizer has no built-in templates")
+
+
+def next_token(history: Sequence[int], eog_every: int | None) -> int:
+    """The fake model: a function of the history only."""
+    x = len(history)
+    for t in history[-8:]:
+        x = (x * 31 + t) % 1_000_003
+    if eog_every and x % eog_every == 0:
+        return EOS
+    return 97 + x % 26
+
+
+Fault = Callable[[Plan], StepStatus | None]
+
+
+class FakeExecutor:
+    """:class:`~aiollama.step.Executor` over :class:`FakeKV` and :func:`next_token`.
+
+    ``fault(plan)`` may return a status to inject instead of decoding (ABORTED and FAILED keep the
+    first half of the plan's tokens, as a partly computed llama_decode does). With ``hold``, a step
+    holding a prompt chunk waits until ``hold`` is set or an abort is requested, and sets
+    ``prefilling`` meanwhile: a long decode the test can cancel at a known moment.
+    """
+
+    def __init__(self, config: EngineConfig, *, eog_every: int | None = None, fault: Fault | None = None,
+                 hold: threading.Event | None = None) -> None:
+        self.n_ctx, self.n_seq_max, self.n_batch = config.n_ctx, config.n_seq_max, config.n_batch
+        self.tokenizer = ByteTokenizer()
+        self.kv = FakeKV(config.n_ctx, config.n_seq_max)
+        self.eog_every = eog_every
+        self.fault = fault
+        self.hold = hold
+        self.prefilling = threading.Event()
+        self.plans: list[Plan] = []
+        self.sampling: dict[int, SamplingParams] = {}
+        self.closed = False
+        self._abort = threading.Event()
+
+    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int]) -> None:
+        if params.grammar is not None:
+            raise GrammarError("the fake executor has no grammars")
+        self.sampling[conv] = params
+
+    def stop_sampling(self, conv: int) -> None:
+        self.sampling.pop(conv, None)
+
+    def execute(self, plan: Plan) -> StepResult:
+        try:
+            return self._execute(plan)
+        finally:
+            self._abort.clear()
+
+    def _execute(self, plan: Plan) -> StepResult:
+        self.kv.apply(plan.ops)
+        if not plan.slices:
+            return StepResult(StepStatus.OK)
+        self.plans.append(plan)
+        status = self.fault(plan) if self.fault is not None else None
+        if status is None and self.hold is not None and plan.prefilling:
+            self.prefilling.set()
+            while not self.hold.is_set() and not self._abort.is_set():
+                self._abort.wait(0.001)
+            self.prefilling.clear()
+            status = StepStatus.ABORTED if self._abort.is_set() else None
+        if status is StepStatus.NO_KV_SLOT or (status is None and not self.kv.fits(plan)):
+            return StepResult(StepStatus.NO_KV_SLOT)
+        if status is not None:
+            self.kv.decode(plan, limit=plan.n_tokens // 2)
+            return StepResult(status, n_cached={s.conv: self.kv.pos_max(s.seq_id) + 1 for s in plan.slices},
+                              detail=f"injected {status.name}")
+        assert self.kv.decode(plan)
+        sampled = []
+        for s in plan.slices:
+            if s.logits:
+                token = next_token(self.kv.tokens(s.seq_id), self.eog_every)
+                sampled.append(Sampled(s.conv, token, self.tokenizer.piece(token), token in (EOS, IM_END)))
+        return StepResult(StepStatus.OK, tuple(sampled))
+
+    def request_abort(self) -> None:
+        self._abort.set()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def solo_tokens(prompt: Sequence[int], n: int, eog_every: int | None = None) -> list[int]:
+    """What the fake model generates for ``prompt`` alone, greedily, ignoring EOG."""
+    history = list(prompt)
+    out = []
+    for _ in range(n):
+        token = next_token(history, eog_every)
+        history.append(token)
+        out.append(token)
+    return out
