@@ -53,7 +53,7 @@ from aiollama.errors import (
 from aiollama.generations import Generations
 from aiollama.outbox import Outbox
 from aiollama.scheduler import Scheduler
-from aiollama.step import Executor, Plan, StepStatus, Tokenizer
+from aiollama.step import Executor, Plan, StepResult, StepStatus, Tokenizer
 
 MAX_NO_SLOT_RETRIES = 16
 
@@ -179,7 +179,7 @@ class DecodeLoop:
         self._prefilling = frozenset()
         progressed = self.scheduler.update(plan, result)
         if plan.slices:
-            self._count(plan, result.status, result.decode_seconds, len(result.sampled), started)
+            self._count(plan, result, started)
         if result.status is StepStatus.OK:
             history = self.scheduler.get
             for conv in self.generations.update(result, lambda c: len(history(c).tokens)):
@@ -197,14 +197,16 @@ class DecodeLoop:
         self._flush()
         return no_slot_streak
 
-    def _count(self, plan: Plan, status: StepStatus, decode_seconds: float, n_sampled: int, started: float) -> None:
-        c = self._counters
+    def _count(self, plan: Plan, result: StepResult, started: float) -> None:
+        c, status, n_cached = self._counters, result.status, result.n_cached
         c.decode_steps += 1
-        c.decode_seconds += decode_seconds
+        c.decode_seconds += result.decode_seconds
         c.aborted_steps += status is StepStatus.ABORTED
         if status is StepStatus.OK:
             c.tokens_evaluated += plan.n_tokens
-            c.tokens_generated += n_sampled
+            c.tokens_generated += len(result.sampled)
+        else:  # what an interrupted decode computed before it stopped stays in the cache
+            c.tokens_evaluated += sum(max(0, n_cached.get(s.conv, s.pos) - s.pos) for s in plan.slices)
         elapsed = time.perf_counter() - started
         c.step_seconds += elapsed
         self._step_counts[bisect.bisect_left(STEP_BUCKETS, elapsed)] += 1

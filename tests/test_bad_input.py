@@ -31,9 +31,11 @@ from aiollama import (
     ModelLoadError,
     ModelNotFound,
     Overloaded,
+    UnsupportedModel,
     WrongEventLoop,
 )
 from helpers import GREEDY
+from tiny_model import write_mamba_model
 
 pytestmark = pytest.mark.anyio
 
@@ -157,6 +159,8 @@ CASES = [
     Case("not-gguf", lambda e, m, t: _start(_not_gguf(t)), ModelLoadError, "not a GGUF file"),
     Case("truncated-gguf", lambda e, m, t: _start(_truncated(m, t)), ModelLoadError, "could not load"),
     Case("directory", lambda e, m, t: _start(t), ModelIsADirectory, "directory"),
+    Case("recurrent-model", lambda e, m, t: _start(write_mamba_model(t / "mamba.gguf", m)), UnsupportedModel,
+         "recurrent or hybrid"),
     # prompts
     Case("empty-text", _prompt(""), InvalidRequestError, "must not be empty"),
     Case("empty-tokens", _prompt([]), InvalidRequestError, "must not be empty"),

@@ -175,3 +175,60 @@ def spm_model(cache: Path) -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         write_tiny_model(path, None, tokenizer=spm_tokenizer())
     return path
+
+
+def write_mamba_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_embd: int = 64) -> Path:
+    """A tiny random Mamba (recurrent) model, for the engine to refuse."""
+    fields = copy_tokenizer(tokenizer_source)
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
+    d_inner, d_conv, d_state, dt_rank = 2 * n_embd, 4, 16, 4
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), "mamba")
+    writer.add_name("aiollama tiny recurrent test model")
+    writer.add_block_count(n_layer)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(dt_rank)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(0)
+    for key, field in fields.items():
+        value = field.contents()  # type: ignore[attr-defined]
+        vtype = field.types[0]  # type: ignore[attr-defined]
+        if vtype == GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        elif vtype == GGUFValueType.STRING:
+            writer.add_string(key, value)
+        elif vtype == GGUFValueType.BOOL:
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+    rng = np.random.default_rng(0)
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(p + "ssm_in.weight", weight(2 * d_inner, n_embd))
+        writer.add_tensor(p + "ssm_conv1d.weight", weight(d_inner, d_conv))
+        writer.add_tensor(p + "ssm_conv1d.bias", weight(d_inner))
+        writer.add_tensor(p + "ssm_x.weight", weight(dt_rank + 2 * d_state, d_inner))
+        writer.add_tensor(p + "ssm_dt.weight", weight(d_inner, dt_rank))
+        writer.add_tensor(p + "ssm_dt.bias", weight(d_inner))
+        writer.add_tensor(p + "ssm_a", -np.abs(weight(d_inner, d_state)))
+        writer.add_tensor(p + "ssm_d", weight(d_inner))
+        writer.add_tensor(p + "ssm_out.weight", weight(n_embd, d_inner))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, path)
+    return path
