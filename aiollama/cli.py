@@ -14,13 +14,11 @@ import argparse
 import os
 import subprocess
 import sys
-import time
-from collections import deque
 from pathlib import Path
-from typing import Any
 
 import anyio
 
+from aiollama import EngineConfig
 from aiollama.errors import AiollamaError
 
 
@@ -31,36 +29,9 @@ def _model_and_prompts(words: list[str]) -> tuple[Path | None, list[str]]:
     return None, words
 
 
-def _display(prompts: list[str], texts: list[str], done: list[str | None], stats: Any, rate: float,
-             peak: int) -> Any:
-    from rich.console import Group
-    from rich.panel import Panel
-    from rich.table import Table
-    from rich.text import Text
-
-    grid = Table.grid(expand=True)
-    for _ in prompts:
-        grid.add_column(ratio=1)
-    grid.add_row(*[
-        Panel(Text(texts[i][-1200:] or "…"), title=Text(prompts[i][:40], style="bold"),
-              subtitle=done[i] or "streaming", border_style="green" if done[i] else "cyan")
-        for i in range(len(prompts))
-    ])
-    status = Text.assemble(
-        ("tokens/s ", "dim"), (f"{rate:6.1f}", "bold"),
-        ("   batch ", "dim"), (f"{stats.active}/{stats.n_seq_max}", "bold"), (f" (peak {peak})", "dim"),
-        ("   queued ", "dim"), (str(stats.queued), "bold"),
-        ("   KV cells ", "dim"), (f"{stats.kv_cells_used}/{stats.kv_cells_total}", "bold"),
-        ("   generated ", "dim"), (str(stats.tokens_generated), "bold"),
-    )
-    return Group(grid, status)
-
-
 async def _run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.live import Live
-
     from aiollama import Engine
+    from aiollama.live import Board
 
     model, prompts = _model_and_prompts(args.words)
     if args.model is not None:
@@ -68,51 +39,22 @@ async def _run(args: argparse.Namespace) -> int:
     if not prompts:
         print("aiollama run: give at least one prompt", file=sys.stderr)
         return 2
-    texts = [""] * len(prompts)
-    done: list[str | None] = [None] * len(prompts)
-    console = Console()
     async with Engine(model, n_ctx=args.n_ctx, n_seq_max=max(len(prompts), args.n_seq_max),
                       n_gpu_layers=args.n_gpu_layers) as engine:
-        start = time.perf_counter()
-        first_tokens = engine.statistics().tokens_generated
+        board = Board(engine, prompts)
 
         async def one(i: int) -> None:
             async with engine.conversation() as conv:
                 stream = conv.chat(prompts[i], max_tokens=args.max_tokens, temperature=args.temperature,
                                    seed=args.seed + i)
                 async for chunk in stream:
-                    texts[i] += chunk.text
-                done[i] = stream.finish_reason
+                    board.add(i, chunk.text)
+                board.end(i, stream.finish_reason)
 
-        peak = 0
-        recent: deque[tuple[float, int]] = deque([(start, first_tokens)])
-
-        def frame() -> Any:
-            nonlocal peak
-            stats = engine.statistics()
-            now = time.perf_counter()
-            peak = max(peak, stats.active)
-            if all(done):  # the whole run
-                since, base = start, first_tokens
-            else:  # the last two seconds
-                recent.append((now, stats.tokens_generated))
-                while len(recent) > 2 and now - recent[1][0] > 2.0:
-                    recent.popleft()
-                since, base = recent[0]
-            rate = (stats.tokens_generated - base) / max(now - since, 1e-6)
-            return _display(prompts, texts, done, stats, rate, peak)
-
-        with Live(frame(), console=console, refresh_per_second=10) as live:
+        with board.live():
             async with anyio.create_task_group() as tg:
                 for i in range(len(prompts)):
                     tg.start_soon(one, i)
-
-                async def refresh() -> None:
-                    while not all(done):
-                        live.update(frame())
-                        await anyio.sleep(0.1)
-                tg.start_soon(refresh)
-            live.update(frame())
     return 0
 
 
@@ -156,19 +98,20 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--max-tokens", type=int, default=256)
     run.add_argument("--temperature", type=float, default=0.7)
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--n-ctx", type=int, default=8192)
+    run.add_argument("--n-ctx", type=int, default=EngineConfig.n_ctx)
     run.add_argument("--n-seq-max", type=int, default=1)
-    run.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload (-1: all)")
+    run.add_argument("--n-gpu-layers", type=int, default=EngineConfig.n_gpu_layers, help="layers to offload (-1: all)")
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server")
     serve.add_argument("model", nargs="?", type=Path, default=None, help="the GGUF file (default model if omitted)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model-name", default=None, help="the id /v1/models reports (default: the file name)")
-    serve.add_argument("--n-ctx", type=int, default=8192)
-    serve.add_argument("--n-seq-max", type=int, default=16)
+    serve.add_argument("--n-ctx", type=int, default=EngineConfig.n_ctx)
+    serve.add_argument("--n-seq-max", type=int, default=EngineConfig.n_seq_max)
     serve.add_argument("--max-queued", type=int, default=256)
-    serve.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload (-1: all)")
+    serve.add_argument("--n-gpu-layers", type=int, default=EngineConfig.n_gpu_layers,
+                       help="layers to offload (-1: all)")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")
     serve.add_argument("--log-level", default="info")
 

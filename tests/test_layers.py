@@ -28,15 +28,15 @@ LAYERS: dict[str, int] = {
     "aiollama.native": 2,
     "aiollama.tokenizer": 7, "aiollama.executor": 8,
     # the decode thread, which sees llama.cpp only through the Executor interface
-    "aiollama.decode_loop": 7,
+    "aiollama.engine_core": 7, "aiollama.decode_loop": 8,
     # the callers' side
-    "aiollama.portal": 7, "aiollama.client": 8, "aiollama.conversation": 9, "aiollama.engine": 10,
+    "aiollama.portal": 7, "aiollama.client": 9, "aiollama.conversation": 10, "aiollama.engine": 11,
     # services: the public API only
-    "aiollama.live": 11, "aiollama.server": 12, "aiollama.cli": 13, "aiollama.__main__": 14,
+    "aiollama.live": 12, "aiollama.server": 13, "aiollama.cli": 14, "aiollama.__main__": 15,
 }
 PURE = {"aiollama.sampling", "aiollama.text", "aiollama.step", "aiollama.kvcache", "aiollama.chat",
         "aiollama.boundary", "aiollama.scheduler", "aiollama.outbox", "aiollama.generations"}
-NO_EVENT_LOOP = PURE | {"aiollama.decode_loop", "aiollama.executor", "aiollama.tokenizer", "aiollama.native",
+NO_EVENT_LOOP = PURE | {"aiollama.engine_core", "aiollama.decode_loop", "aiollama.executor", "aiollama.tokenizer", "aiollama.native",
                         "aiollama.errors", "aiollama._validate"}
 NATIVE_USERS = {"aiollama.native", "aiollama.tokenizer", "aiollama.executor"}
 SERVICES = {"aiollama.live", "aiollama.server", "aiollama.cli", "aiollama.__main__"}

@@ -10,10 +10,10 @@ import anyio
 import pytest
 
 from aiollama import Engine
+from helpers import GREEDY
 
 pytestmark = pytest.mark.anyio
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 N_STREAMS = 500
 
 
