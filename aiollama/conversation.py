@@ -107,6 +107,10 @@ class _History:
             self._waiting = None
             self._unread = 0
 
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self.tokens) + sum(len(tokens) for tokens in self._waiting or ())
+
     def snapshot(self) -> tuple[list[int], list[Sequence[int]]]:
         """The tokens known now, and the prompts still waiting for the generation to end."""
         with self._lock:
@@ -178,7 +182,9 @@ class _StreamBase:
         return self._result.finish_reason
 
     def __del__(self) -> None:
-        # Breaking out of a loop drops the stream: end its generation within a step.
+        # Breaking out of a loop drops the stream: end its generation within a step. This only
+        # queues a command (SimpleQueue.put is reentrant, so the collector may run it anywhere);
+        # every native free happens on the decode thread.
         try:
             self._abandon()
         except Exception:  # noqa: BLE001 - the engine may already be gone
@@ -298,17 +304,20 @@ class _ConversationBase:
     def tokens(self) -> tuple[int, ...]:
         """The conversation's history as delivered to its caller: every prompt, and every token
         generated (an end-of-generation token too) once its chunk has arrived. Prompts given while a
-        stream runs follow that stream's tokens, once it has ended."""
+        stream runs come last, after the tokens that stream has delivered so far."""
         known, waiting = self._history.snapshot()
         return tuple(known + [t for tokens in waiting for t in tokens])
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self._history)
+
+    def __bool__(self) -> bool:
+        return True  # an empty conversation is still a conversation (``if conv:`` stays true)
 
     @property
     def _fresh(self) -> bool:
         """No token yet: the first text prompt gets BOS if the model wants it."""
-        return not self._history.tokens and not self._history.snapshot()[1]
+        return len(self._history) == 0
 
     def prompt(self, content: str | Sequence[int], *, special: bool = False) -> None:
         """Append text or token ids to the conversation. Never blocks.
@@ -447,6 +456,7 @@ class _ConversationBase:
             self._core.send(Cancel(self.id))
 
     def __del__(self) -> None:
+        # A forgotten conversation frees its cells: only a command is queued (see _StreamBase).
         try:
             self.close_nowait()
         except Exception:  # noqa: BLE001 - the engine may already be gone

