@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFWriter
 
 TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
@@ -37,6 +37,19 @@ def copy_tokenizer(source: Path) -> dict[str, object]:
     """The tokenizer metadata of a GGUF file, to write into another."""
     reader = GGUFReader(str(source))
     return {k: reader.fields[k] for k in TOKENIZER_KEYS if k in reader.fields}
+
+
+def add_fields(writer: GGUFWriter, fields: dict[str, object]) -> None:
+    """Write metadata values, typed by their Python type (ints as uint32)."""
+    for key, value in fields.items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, int(value))  # type: ignore[call-overload]
 
 
 def write_tiny_model(
@@ -70,26 +83,8 @@ def write_tiny_model(
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(0)  # all F32
-    for key, field in fields.items():
-        value = field.contents()  # type: ignore[attr-defined]
-        vtype = field.types[0]  # type: ignore[attr-defined]
-        if vtype == GGUFValueType.ARRAY:
-            writer.add_array(key, value)
-        elif vtype == GGUFValueType.STRING:
-            writer.add_string(key, value)
-        elif vtype == GGUFValueType.BOOL:
-            writer.add_bool(key, value)
-        else:
-            writer.add_uint32(key, int(value))
-    for key, value in (tokenizer or {}).items():
-        if isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        else:
-            writer.add_uint32(key, int(value))  # type: ignore[call-overload]
+    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+    add_fields(writer, tokenizer or {})
 
     rng = np.random.default_rng(seed)
 
@@ -196,17 +191,7 @@ def write_mamba_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n
     writer.add_ssm_time_step_rank(dt_rank)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(0)
-    for key, field in fields.items():
-        value = field.contents()  # type: ignore[attr-defined]
-        vtype = field.types[0]  # type: ignore[attr-defined]
-        if vtype == GGUFValueType.ARRAY:
-            writer.add_array(key, value)
-        elif vtype == GGUFValueType.STRING:
-            writer.add_string(key, value)
-        elif vtype == GGUFValueType.BOOL:
-            writer.add_bool(key, value)
-        else:
-            writer.add_uint32(key, int(value))
+    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
     rng = np.random.default_rng(0)
 
     def weight(*shape: int) -> np.ndarray:
