@@ -27,6 +27,7 @@ _EXPORTS = {
     "SyncStream": "aiollama.conversation",
     "EngineConfig": "aiollama.boundary",
     "FinishReason": "aiollama.boundary",
+    "GenerationStats": "aiollama.boundary",
     "Statistics": "aiollama.boundary",
     "Engine": "aiollama.engine",
     "SyncEngine": "aiollama.engine",
@@ -39,6 +40,7 @@ _EXPORTS = {
     "ClosedError": "aiollama.errors",
     "ContextCreateError": "aiollama.errors",
     "ContextFull": "aiollama.errors",
+    "ConversationFileError": "aiollama.errors",
     "ConversationBusy": "aiollama.errors",
     "ConversationClosed": "aiollama.errors",
     "DecodeError": "aiollama.errors",
@@ -52,6 +54,7 @@ _EXPORTS = {
     "InvalidTokenError": "aiollama.errors",
     "ModelIsADirectory": "aiollama.errors",
     "ModelLoadError": "aiollama.errors",
+    "ModelMismatch": "aiollama.errors",
     "ModelNotFound": "aiollama.errors",
     "Overloaded": "aiollama.errors",
     "StateRestoreError": "aiollama.errors",
@@ -79,6 +82,7 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
     from aiollama.boundary import (
         EngineConfig as EngineConfig,
         FinishReason as FinishReason,
+        GenerationStats as GenerationStats,
         Statistics as Statistics,
     )
     from aiollama.conversation import (
@@ -99,6 +103,7 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
         ClosedError as ClosedError,
         ContextCreateError as ContextCreateError,
         ContextFull as ContextFull,
+        ConversationFileError as ConversationFileError,
         ConversationBusy as ConversationBusy,
         ConversationClosed as ConversationClosed,
         DecodeError as DecodeError,
@@ -112,6 +117,7 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
         InvalidTokenError as InvalidTokenError,
         ModelIsADirectory as ModelIsADirectory,
         ModelLoadError as ModelLoadError,
+        ModelMismatch as ModelMismatch,
         ModelNotFound as ModelNotFound,
         Overloaded as Overloaded,
         StateRestoreError as StateRestoreError,

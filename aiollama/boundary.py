@@ -28,6 +28,15 @@ class EngineConfig:
     most tokens one ``llama_decode`` takes; ``step_tokens`` the per-step token budget (decode rows of
     running streams first, prompt chunks share the rest); ``n_threads`` None takes the CPUs this
     process may use; ``max_queued`` bounds the generations waiting for a seq id.
+
+    ``cache_seq_ids`` is how many seq ids the context holds beyond ``n_seq_max``, for idle
+    conversations and cached prefixes to keep their cells under (None: ``max(32, n_seq_max)``; the
+    total is at most 256). Each id costs llama.cpp an output row of ``n_vocab`` floats.
+    ``host_cache_bytes`` is the host memory that cached prefixes and preempted streams are parked in
+    when the context needs their cells (0 turns it off: they are dropped and evaluated again when
+    needed). ``context_shift`` is the default policy for a history that outgrows the context: False
+    raises ``ContextFull`` (a generation that reaches the end finishes with ``length``); True keeps
+    the first ``n_keep`` tokens and drops the older half of the rest. Streams may choose otherwise.
     """
 
     model_path: Path | None = None
@@ -38,6 +47,10 @@ class EngineConfig:
     n_threads: int | None = None
     n_gpu_layers: int = 0
     max_queued: int = 1024
+    cache_seq_ids: int | None = None
+    host_cache_bytes: int = 2 * 2**30
+    context_shift: bool = False
+    n_keep: int = 0
 
     def __post_init__(self) -> None:
         integer("n_ctx", self.n_ctx, low=1)
@@ -48,8 +61,20 @@ class EngineConfig:
             integer("n_threads", self.n_threads, low=1)
         integer("n_gpu_layers", self.n_gpu_layers, low=-1)
         integer("max_queued", self.max_queued, low=0)
+        if self.cache_seq_ids is not None:
+            integer("cache_seq_ids", self.cache_seq_ids, low=0)
+        integer("host_cache_bytes", self.host_cache_bytes, low=0)
+        integer("n_keep", self.n_keep, low=0)
+        if not isinstance(self.context_shift, bool):
+            raise InvalidRequestError(f"context_shift must be a bool, got {self.context_shift!r}")
         if self.model_path is not None:
             object.__setattr__(self, "model_path", Path(self.model_path))
+
+    @property
+    def context_seq_ids(self) -> int:
+        """The seq ids of the context: ``n_seq_max`` generating, the rest holding cached prefixes."""
+        extra = max(32, self.n_seq_max) if self.cache_seq_ids is None else self.cache_seq_ids
+        return min(MAX_SEQ, self.n_seq_max + extra)
 
     @classmethod
     def from_options(cls, model_path: Any = None, **options: Any) -> EngineConfig:
@@ -78,11 +103,28 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class GenerationStats:
+    """What one generation cost, on its last chunk and its completion.
+
+    ``prompt_tokens``: the history it continued; ``cached_tokens``: how many of those were not
+    evaluated (shared from the KV cache or restored from host memory); ``preemptions``: how often it
+    was stopped to free cells; ``restores``: how often its state came back from host memory.
+    """
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    restores: int = 0
+
+
+@dataclass(frozen=True)
 class Delta:
     """One step's output for one stream.
 
     ``text`` and ``tokens`` are what the stream shows; ``history`` is every token the step appended
     to the conversation (also an end-of-generation token, which the stream does not show).
+    ``dropped`` is a context shift, ``(n_keep, n)``: tokens ``[n_keep, n_keep + n)`` left the
+    history before ``history`` was appended. The last delta carries ``stats``.
     """
 
     text: str = ""
@@ -90,14 +132,26 @@ class Delta:
     finish_reason: FinishReason | None = None
     error: BaseException | None = None
     history: tuple[int, ...] = ()
+    dropped: tuple[int, int] | None = None
+    stats: GenerationStats | None = None
 
 
 @dataclass(frozen=True)
 class Ack:
-    """The answer to a :class:`Close`: everything the conversation held is freed."""
+    """The answer to a :class:`Close` or a :class:`Load`: done."""
 
 
-Item = Delta | Ack
+@dataclass(frozen=True)
+class Snapshot:
+    """The answer to a :class:`Save`: the history, and a copy of the cells holding its first
+    ``n_cached`` tokens (empty when none are cached)."""
+
+    tokens: tuple[int, ...] = field(repr=False)
+    n_cached: int
+    state: bytes = field(repr=False)
+
+
+Item = Delta | Ack | Snapshot
 
 
 class Portal(Protocol):
@@ -166,11 +220,47 @@ class Close:
 
 
 @dataclass(frozen=True)
+class Rewind:
+    """Keep only the first ``n_tokens`` tokens of a conversation that does not generate."""
+
+    conv: int
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class Save:
+    """Answer with a :class:`Snapshot` of the conversation."""
+
+    conv: int
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class Load:
+    """A new conversation ``conv`` holding ``tokens``, with the cells of the first ``n_cached``
+    restored from ``state`` when they fit (evaluated again otherwise); answered with an Ack."""
+
+    conv: int
+    tokens: tuple[int, ...] = field(repr=False)
+    n_cached: int
+    state: bytes = field(repr=False)
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class ClearCache:
+    """Drop every cache entry and every parked state; ``ack`` gets an :class:`Ack`."""
+
+    ack: Sink
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
 
-Command = NewConversation | Prompt | Fork | Generate | Cancel | Close | Shutdown
+Command = (NewConversation | Prompt | Fork | Generate | Cancel | Close | Rewind | Save | Load | ClearCache
+           | Shutdown)
 
 
 class Admission:
@@ -207,10 +297,12 @@ class Statistics:
     live: int = 0  # conversations not closed
     active: int = 0  # generating, holding a seq id
     queued: int = 0  # waiting for a seq id
-    kv_cells_used: int = 0
+    kv_cells_used: int = 0  # by conversations and by the prefix cache
+    kv_cells_cached: int = 0  # of those, held only by the cache (prefixes of closed conversations)
     kv_cells_total: int = 0
-    seq_ids_used: int = 0  # held by active conversations and by idle ones caching their KV
-    n_seq_max: int = 0
+    seq_ids_used: int = 0  # held by conversations and by cache entries
+    cache_entries: int = 0
+    n_seq_max: int = 0  # generations that may run at once
     tokens_evaluated: int = 0  # rows decoded: prompts, re-evaluations and sampled tokens
     tokens_generated: int = 0
     decode_steps: int = 0
@@ -219,6 +311,13 @@ class Statistics:
     step_seconds: float = 0.0  # whole steps: planning, batch filling, decode, sampling, delivery
     step_histogram: tuple[int, ...] = ()  # steps per step_buckets interval, the last one unbounded
     step_buckets: tuple[float, ...] = field(default=STEP_BUCKETS)
+    cache_hit_tokens: int = 0  # prompt tokens not evaluated: shared from the KV cache or restored
+    parked: int = 0  # states parked in host memory now
+    parked_bytes: int = 0
+    parks: int = 0  # states copied out to host memory
+    restores: int = 0  # states put back from host memory
+    evictions: int = 0  # idle holders that gave cells back
+    preemptions: int = 0  # running streams stopped to free cells
 
     @property
     def python_overhead(self) -> float:

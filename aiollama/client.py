@@ -8,7 +8,7 @@ to; nothing here runs on the decode thread or calls llama.cpp, except the thread
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from aiollama.boundary import Admission, Command, EngineConfig, Portal, Statistics
@@ -97,6 +97,11 @@ class EngineClient:
     @property
     def n_ctx(self) -> int:
         return self.decoder.n_ctx
+
+    @property
+    def fingerprint(self) -> Mapping[str, str | int]:
+        """What a saved conversation must match to be loaded here."""
+        return self.decoder.fingerprint
 
     # tokens
 

@@ -12,12 +12,13 @@ import atexit
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from aiollama.boundary import (
     Ack,
     Admission,
     Cancel,
+    ClearCache,
     Close,
     Command,
     Delta,
@@ -52,6 +53,7 @@ class DecodeLoop:
         self.admission = admission
         self.dead: EngineDead | None = None
         self.tokenizer: Tokenizer | None = None  # set once the executor is open
+        self.fingerprint: Mapping[str, str | int] = {}
         self.n_ctx = 0
         self._open_executor = open_executor
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -112,6 +114,7 @@ class DecodeLoop:
                 self._startup_error = exc
                 return
             self.tokenizer, self.n_ctx, outbox = executor.tokenizer, executor.n_ctx, core.outbox
+            self.fingerprint = executor.fingerprint
             self._core = core
             self._ready.set()
             try:
@@ -155,5 +158,7 @@ class DecodeLoop:
             if isinstance(command, Generate):
                 outbox.emit(command.sink, Delta(error=error))
             elif isinstance(command, Close) and command.ack is not None:
+                outbox.emit(command.ack, Ack())
+            elif isinstance(command, ClearCache):
                 outbox.emit(command.ack, Ack())
         outbox.flush()

@@ -16,14 +16,16 @@ from typing import Any
 
 import anyio
 
-from aiollama.boundary import EngineConfig, NewConversation, Statistics
+from aiollama import savefile
+from aiollama.boundary import ClearCache, EngineConfig, Load, NewConversation, Statistics
 from aiollama.chat import Messages, normalize
+from aiollama.chat_turns import ChatTurns
 from aiollama.client import EngineClient
 from aiollama.conversation import Completion, Conversation, SyncConversation
-from aiollama.errors import EngineClosed, EngineDead
+from aiollama.errors import ConversationFileError, EngineClosed, EngineDead
 from aiollama.executor import NativeExecutor
 from aiollama.models import default_model
-from aiollama.portal import current_portal
+from aiollama.portal import AsyncSink, ThreadSink, current_portal
 from aiollama.sampling import seed_for
 from aiollama.step import Executor
 
@@ -123,6 +125,21 @@ class _EngineBase:
             conv.prompt(prompt)
         return conv
 
+    def _loading(self, cls: type[Any], data: bytes, sink: AsyncSink | ThreadSink) -> Any:
+        """Check a saved conversation and ask the decode thread to bring it back into ``sink``."""
+        core = self._client
+        core.check()
+        saved = savefile.load(data, core.fingerprint)
+        savefile.check_tokens(saved.tokens, core.tokenizer.n_vocab)
+        try:
+            chat = ChatTurns.from_state(saved.chat)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConversationFileError(f"the saved conversation's chat is malformed: {exc!r}") from None
+        conv = cls(core, core.new_id(), tokens=saved.tokens)
+        conv._chat = chat
+        core.send(Load(conv.id, saved.tokens, saved.n_cached, saved.state, sink))
+        return conv
+
     def _close(self) -> None:
         core = self._core
         if core is None:
@@ -185,6 +202,32 @@ class Engine(_EngineBase):
         conv: Conversation = self._new(Conversation, prompt)
         return conv
 
+    async def clear_cache(self) -> None:
+        """Drop the prefix cache: what closed conversations left in the KV cache, and every state
+        parked in host memory. Conversations still open keep theirs."""
+        sink = AsyncSink(self._client.check_loop())
+        self._client.send(ClearCache(sink))
+        with anyio.CancelScope(shield=True):
+            await sink.get()
+
+    async def load(self, path: str | os.PathLike[str]) -> Conversation:
+        """A conversation saved with ``Conversation.save``: its tokens, its chat, and its KV cells
+        when they fit (evaluated again when it next streams, otherwise).
+
+        Raises:
+            ConversationFileError: the file is damaged, cut short, or not a saved conversation.
+            ModelMismatch: it was saved from another model or cache layout.
+            OSError: the file cannot be read.
+        Nothing changes in the engine when it raises.
+        """
+        portal = self._client.check_loop()
+        data = await anyio.to_thread.run_sync(_read_file, path)
+        sink = AsyncSink(portal)
+        conv: Conversation = self._loading(Conversation, data, sink)
+        with anyio.CancelScope(shield=True):
+            await sink.get()
+        return conv
+
     async def generate_parallel(self, prompts: Sequence[str | Sequence[int]], **params: Any) -> list[Completion]:
         """One completion per prompt, in order, generated in the same batches. With a ``seed``,
         prompt ``i`` is sampled with ``seed + i``."""
@@ -232,6 +275,19 @@ class SyncEngine(_EngineBase):
         conv: SyncConversation = self._new(SyncConversation, prompt)
         return conv
 
+    def clear_cache(self) -> None:
+        """Drop the prefix cache; see ``Engine.clear_cache``."""
+        sink = ThreadSink()
+        self._client.send(ClearCache(sink))
+        sink.get()
+
+    def load(self, path: str | os.PathLike[str]) -> SyncConversation:
+        """A saved conversation; see ``Engine.load``."""
+        sink = ThreadSink()
+        conv: SyncConversation = self._loading(SyncConversation, _read_file(path), sink)
+        sink.get()
+        return conv
+
     def generate_parallel(self, prompts: Sequence[str | Sequence[int]], **params: Any) -> list[Completion]:
         convs = [self.conversation(p) for p in prompts]
         try:
@@ -240,6 +296,11 @@ class SyncEngine(_EngineBase):
         finally:
             for conv in convs:
                 conv.close()
+
+
+def _read_file(path: str | os.PathLike[str]) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _seeded(params: dict[str, Any], i: int) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from aiollama.boundary import (
     Ack,
     Admission,
     Cancel,
+    ClearCache,
     Close,
     Command,
     Delta,
@@ -31,12 +32,16 @@ from aiollama.boundary import (
     FinishReason,
     Fork,
     Generate,
+    Load,
     NewConversation,
     Prompt,
+    Rewind,
+    Save,
+    Snapshot,
     Statistics,
 )
 from aiollama.errors import AiollamaError, ConversationBusy, ConversationClosed, DecodeError, EngineDead
-from aiollama.generations import Generations
+from aiollama.generations import Generations, stats_of
 from aiollama.outbox import Outbox
 from aiollama.scheduler import Scheduler
 from aiollama.step import Executor, Plan, StepResult, StepStatus
@@ -59,9 +64,11 @@ class EngineCore:
 
     def __init__(self, executor: Executor, config: EngineConfig, admission: Admission) -> None:
         self.executor = executor
+        self.config = config
         self.admission = admission
-        self.scheduler = Scheduler(n_ctx=executor.n_ctx, n_seq_max=executor.n_seq_max,
-                                   n_batch=executor.n_batch, step_tokens=config.step_tokens)
+        self.scheduler = Scheduler(n_ctx=executor.n_ctx, n_seq_max=executor.n_seq_max, n_batch=executor.n_batch,
+                                   step_tokens=config.step_tokens, max_running=config.n_seq_max,
+                                   host_bytes=config.host_cache_bytes, can_shift=executor.can_shift)
         self.outbox = Outbox()
         self.generations = Generations(admission, self.outbox, executor.n_ctx)
         self.prefilling: frozenset[int] = frozenset()  # a cancel of these aborts the running decode
@@ -79,6 +86,8 @@ class EngineCore:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.generations.admitted(plan.admitted)
+        for conv, keep, n in plan.shifted:
+            self.generations.shifted(conv, keep, n)
         if plan.slices:
             self.prefilling = plan.prefilling
             self.publish()  # admissions show while a long decode runs
@@ -89,8 +98,7 @@ class EngineCore:
             self._count(plan, result, started)
         if result.status is StepStatus.OK:
             self._no_slot_streak = 0
-            history = self.scheduler.get
-            for conv in self.generations.update(result, lambda c: len(history(c).tokens)):
+            for conv in self.generations.update(result, self.scheduler):
                 self.end(conv)
         elif result.status is StepStatus.NO_KV_SLOT:
             # Planning keeps batches within the free cells, so this is rare: the scheduler frees
@@ -127,6 +135,16 @@ class EngineCore:
             gens.forget(command.conv)
             if command.ack is not None:
                 self.outbox.emit(command.ack, Ack())
+        elif isinstance(command, Rewind):
+            if command.conv in sched and command.conv not in gens:
+                sched.rewind(command.conv, command.n_tokens)
+        elif isinstance(command, Save):
+            self._save(command)
+        elif isinstance(command, Load):
+            self._load(command)
+        elif isinstance(command, ClearCache):
+            sched.kv.clear_cache()
+            self.outbox.emit(command.ack, Ack())
 
     def _generate(self, command: Generate) -> None:
         conv = command.conv
@@ -136,9 +154,12 @@ class EngineCore:
             if conv in self.generations:
                 raise ConversationBusy("the conversation is already generating: read that stream to its "
                                        "end or cancel it first")
-            self.executor.start_sampling(conv, command.params, self.scheduler.get(conv).tokens)
+            params = command.params
+            shifts = self.config.context_shift if params.context_shift is None else params.context_shift
+            n_keep = self.config.n_keep if params.n_keep is None else params.n_keep
+            self.executor.start_sampling(conv, params, self.scheduler.get(conv).tokens)
             try:
-                self.scheduler.submit(conv)
+                dropped = self.scheduler.submit(conv, n_keep if shifts else None)
             except BaseException:
                 self.executor.stop_sampling(conv)
                 raise
@@ -146,12 +167,49 @@ class EngineCore:
             self.admission.leave()
             self.outbox.emit(command.sink, Delta(error=exc))
             return
-        self.generations.start(conv, command.params, command.sink)
+        self.generations.start(conv, params, command.sink, shifts=shifts, dropped=dropped)
+
+    def _sync_kv(self) -> None:
+        """Apply the KV operations decided since the last step (between steps, before reading or
+        writing a sequence's cells directly)."""
+        plan = Plan(self.scheduler.take_ops())
+        if plan.ops:
+            self.scheduler.update(plan, self.executor.execute(plan))
+
+    def _save(self, command: Save) -> None:
+        if command.conv not in self.scheduler:
+            self.outbox.emit(command.sink, Delta(error=ConversationClosed("the conversation is closed")))
+            return
+        self._sync_kv()
+        seq = self.scheduler.get(command.conv)
+        state, n_cached = b"", 0
+        if seq.seq_id is not None and seq.n_cached > 0:
+            state, n_cached = self.executor.read_state(seq.seq_id), seq.n_cached
+        else:  # parked in host memory, perhaps
+            parked, n = self.scheduler.kv.host.best(seq.tokens, len(seq.tokens))
+            if parked is not None and parked.data is not None and n == len(parked.tokens):
+                state, n_cached = parked.data, n
+        self.outbox.emit(command.sink, Snapshot(tuple(seq.tokens), n_cached if state else 0, state))
+
+    def _load(self, command: Load) -> None:
+        seq = self.scheduler.add(command.conv, command.tokens)
+        kv = self.scheduler.kv
+        if command.state and 0 < command.n_cached <= len(command.tokens) and kv.free_cells(command.n_cached) \
+                and kv.assign(seq):
+            self._sync_kv()  # evictions first: they may have freed the very seq id now assigned
+            assert seq.seq_id is not None
+            if self.executor.write_state(seq.seq_id, command.state):
+                kv.extend(seq, command.n_cached)
+            else:
+                kv.drop(seq)
+                self._sync_kv()
+        self.outbox.emit(command.sink, Ack())
 
     def end(self, conv: int, reason: FinishReason | None = None, error: BaseException | None = None) -> None:
         """End ``conv``'s generation: tell its stream (unless its last delta said so), free its
         sampler, keep its KV as a cache, and append the prompts that waited for it."""
-        deferred = self.generations.end(conv, reason, error)
+        stats = stats_of(self.scheduler.get(conv)) if reason is not None else None
+        deferred = self.generations.end(conv, reason, error, stats)
         self.executor.stop_sampling(conv)
         self.scheduler.finish(conv)
         for tokens in deferred:
@@ -196,8 +254,11 @@ class EngineCore:
         c, kv, sched = self._counters, self.scheduler.kv, self.scheduler
         self.statistics = Statistics(
             live=sched.n_live, active=sched.n_active, queued=sched.n_queued,
-            kv_cells_used=kv.cells.used, kv_cells_total=kv.cells.n_cells, seq_ids_used=kv.n_holders,
-            n_seq_max=kv.n_seq_max, tokens_evaluated=c.tokens_evaluated, tokens_generated=c.tokens_generated,
+            kv_cells_used=kv.cells.used, kv_cells_cached=kv.cells_cached() if kv.n_entries else 0,
+            kv_cells_total=kv.cells.n_cells, seq_ids_used=kv.n_holders, cache_entries=kv.n_entries,
+            n_seq_max=sched.max_running, tokens_evaluated=c.tokens_evaluated, tokens_generated=c.tokens_generated,
             decode_steps=c.decode_steps, aborted_steps=c.aborted_steps, decode_seconds=c.decode_seconds,
-            step_seconds=c.step_seconds, step_histogram=tuple(self._step_counts))
+            step_seconds=c.step_seconds, step_histogram=tuple(self._step_counts),
+            cache_hit_tokens=sched.cache_hit_tokens, parked=len(kv.host), parked_bytes=kv.host.used_bytes,
+            parks=kv.parks, restores=kv.restores, evictions=kv.evictions, preemptions=sched.preemptions)
 

@@ -21,6 +21,8 @@ already catches those keeps working::
     ├── InvalidRequestError         bad input, refused before it reaches llama.cpp (also ValueError)
     │   ├── ConversationBusy            stream() while the previous stream still runs
     │   ├── ChatTemplateError           malformed chat messages, or the template refuses them
+    │   ├── ConversationFileError       a saved conversation that is damaged or not one
+    │   │   └── ModelMismatch               saved from another model or cache layout
     │   ├── GrammarError                a GBNF grammar that does not parse, or a token it rejects
     │   ├── InvalidTokenError           a token id outside the vocabulary
     │   ├── InvalidBatchError           native layer only: batch too large, empty, position gaps
@@ -109,6 +111,15 @@ class ConversationBusy(InvalidRequestError):
 class ChatTemplateError(InvalidRequestError):
     """A malformed chat message, a role holding special-token text, or messages the model's chat
     template refuses (it called ``raise_exception``)."""
+
+
+class ConversationFileError(InvalidRequestError):
+    """A saved conversation that is damaged, cut short, of another format, or not one at all.
+    Nothing was loaded."""
+
+
+class ModelMismatch(ConversationFileError):
+    """A saved conversation from another model or cache layout. Nothing was loaded."""
 
 
 class GrammarError(InvalidRequestError):

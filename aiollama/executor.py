@@ -10,17 +10,19 @@ and what a token means for its stream are the scheduler's and the generations' b
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from aiollama.boundary import EngineConfig
-from aiollama.errors import DecodeError, UnsupportedModel
+from aiollama.errors import DecodeError, StateRestoreError, UnsupportedModel
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab
 from aiollama.native.sampler import DEFAULT_SEED
 from aiollama.sampling import SamplingParams
-from aiollama.step import Copy, Op, Plan, Remove, Sampled, StepResult, StepStatus, Tokenizer
+from aiollama.step import Copy, Op, Park, Plan, Remove, Restore, Sampled, Shift, StepResult, StepStatus, Tokenizer
 from aiollama.tokenizer import VocabTokenizer
+
 
 
 def build_chain(vocab: Vocab, params: SamplingParams, history: Sequence[int]) -> SamplerChain:
@@ -56,6 +58,18 @@ def build_chain(vocab: Vocab, params: SamplingParams, history: Sequence[int]) ->
         raise
 
 
+def fingerprint(model: Model) -> dict[str, str | int]:
+    """What a saved sequence state must match to be put back: the model (its description, sizes and
+    vocabulary) and the layout of its cache."""
+    vocab = model.vocab
+    texts = hashlib.sha256()
+    for token in range(vocab.n_tokens):
+        texts.update(vocab.token_text(token).encode() + b"\0")
+    return {"model": model.description(), "n_params": model.n_params, "size": model.size,
+            "n_vocab": vocab.n_tokens, "n_embd": model.n_embd, "n_layer": model.n_layer,
+            "vocab_sha256": texts.hexdigest(), "kv": "f16,unified"}
+
+
 class NativeExecutor:
     """:class:`~aiollama.step.Executor` over llama.cpp. Build it on the thread that will use it.
 
@@ -72,13 +86,15 @@ class NativeExecutor:
                     f"{model_path.name} is a recurrent or hybrid model; its memory cannot drop the end "
                     "of a sequence, which this engine needs to share prefixes, preempt and cancel")
             self.ctx: Context = stack.enter_context(Context(
-                self.model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=config.n_seq_max,
+                self.model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=config.context_seq_ids,
                 n_threads=config.n_threads, kv_unified=True))
             self.batch: Batch = stack.enter_context(Batch(self.ctx.n_batch))
             self._handles = stack.pop_all()
         self.vocab = self.model.vocab
         self.tokenizer: Tokenizer = VocabTokenizer(self.vocab)
         self.n_ctx, self.n_seq_max, self.n_batch = self.ctx.n_ctx, self.ctx.n_seq_max, self.ctx.n_batch
+        self.can_shift = self.ctx.can_shift
+        self.fingerprint: Mapping[str, str | int] = fingerprint(self.model)
         self._chains: dict[int, SamplerChain] = {}
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int]) -> None:
@@ -90,9 +106,9 @@ class NativeExecutor:
             chain.close()
 
     def execute(self, plan: Plan) -> StepResult:
-        self._apply(plan.ops)
+        parked, restored = self._apply(plan.ops)
         if not plan.slices:
-            return StepResult(StepStatus.OK)
+            return StepResult(StepStatus.OK, parked=parked, restored=restored)
         batch = self.batch
         batch.clear()
         outputs: list[tuple[int, int]] = []
@@ -110,24 +126,48 @@ class NativeExecutor:
         elapsed = time.perf_counter() - start
         if status is DecodeStatus.OK:
             return StepResult(StepStatus.OK, tuple(self._sample(conv, row) for conv, row in outputs),
-                              decode_seconds=elapsed)
+                              decode_seconds=elapsed, parked=parked, restored=restored)
         if status is DecodeStatus.NO_KV_SLOT:
-            return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed)
+            return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, parked=parked, restored=restored)
         # ABORTED and failures keep the ubatches computed before them: say what the context holds
         n_cached = {s.conv: self.ctx.seq_pos_max(s.seq_id) + 1 for s in plan.slices}
         kind = StepStatus.ABORTED if status is DecodeStatus.ABORTED else StepStatus.FAILED
-        return StepResult(kind, n_cached=n_cached, decode_seconds=elapsed, detail=f"llama_decode: {status.name}")
+        return StepResult(kind, n_cached=n_cached, decode_seconds=elapsed, detail=f"llama_decode: {status.name}",
+                          parked=parked, restored=restored)
 
     def _decode(self, batch: Batch) -> DecodeStatus:
         return self.ctx.decode(batch)
 
-    def _apply(self, ops: Sequence[Op]) -> None:
+    def _apply(self, ops: Sequence[Op]) -> tuple[dict[int, bytes], dict[int, bool]]:
+        parked: dict[int, bytes] = {}
+        restored: dict[int, bool] = {}
         for op in ops:
             if isinstance(op, Remove):
-                if not self.ctx.seq_rm(op.seq_id, op.p0, -1):
-                    raise DecodeError(f"llama.cpp could not remove positions {op.p0}.. of sequence {op.seq_id}")
+                self._remove(op.seq_id, op.p0, -1)
             elif isinstance(op, Copy):
                 self.ctx.seq_cp(op.src, op.dst, 0, op.n)
+            elif isinstance(op, Shift):
+                self._remove(op.seq_id, op.p0, op.p0 + op.n)
+                self.ctx.seq_add(op.seq_id, op.p0 + op.n, -1, -op.n)
+            elif isinstance(op, Park):
+                parked[op.key] = self.read_state(op.seq_id)
+            elif isinstance(op, Restore):
+                restored[op.seq_id] = self.write_state(op.seq_id, op.data)
+        return parked, restored
+
+    def _remove(self, seq_id: int, p0: int, p1: int) -> None:
+        if not self.ctx.seq_rm(seq_id, p0, p1):
+            raise DecodeError(f"llama.cpp could not remove positions {p0}..{p1} of sequence {seq_id}")
+
+    def read_state(self, seq_id: int) -> bytes:
+        return self.ctx.seq_state(seq_id)
+
+    def write_state(self, seq_id: int, data: bytes) -> bool:
+        try:
+            self.ctx.set_seq_state(seq_id, data)
+        except StateRestoreError:
+            return False  # llama.cpp left the sequence empty
+        return True
 
     def _sample(self, conv: int, row: int) -> Sampled:
         token = self._chains[conv].sample(self.ctx, row)

@@ -6,7 +6,8 @@ for its stream, and ends the generation when:
 
 - it is an end-of-generation token (unless ``ignore_eos``): ``EOG``, the token is not shown;
 - the text now holds a stop string: ``STOP``, the text stops before it;
-- ``max_tokens`` tokens were generated, or the history fills the context: ``LENGTH``.
+- ``max_tokens`` tokens were generated, or the history fills the context (unless the generation
+  shifts its context instead): ``LENGTH``.
 
 Prompts sent while a conversation generates wait here and are appended once the generation ends,
 so a conversation's commands keep their order.
@@ -15,12 +16,13 @@ so a conversation's commands keep their order.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from aiollama.boundary import Admission, Delta, FinishReason, Portal, Sink
+from aiollama.boundary import Admission, Delta, FinishReason, GenerationStats, Portal, Sink
+from aiollama.kvcache import SeqState
 from aiollama.outbox import Outbox
 from aiollama.sampling import SamplingParams
+from aiollama.scheduler import Scheduler
 from aiollama.step import Sampled, StepResult
 from aiollama.text import TextAssembler
 
@@ -30,8 +32,14 @@ class Generation:
     params: SamplingParams
     sink: Sink
     text: TextAssembler
+    shifts: bool = False  # a full context shifts instead of ending the generation
     n_generated: int = 0
     queued: bool = True  # counts against max_queued until admitted
+
+
+def stats_of(seq: SeqState) -> GenerationStats:
+    return GenerationStats(prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens,
+                           preemptions=seq.preemptions, restores=seq.restores)
 
 
 class Generations:
@@ -51,8 +59,16 @@ class Generations:
     def convs(self) -> list[int]:
         return list(self._gens)
 
-    def start(self, conv: int, params: SamplingParams, sink: Sink) -> None:
-        self._gens[conv] = Generation(params, sink, TextAssembler(params.stop))
+    def start(self, conv: int, params: SamplingParams, sink: Sink, *, shifts: bool = False,
+              dropped: tuple[int, int] | None = None) -> None:
+        """A generation begins; ``dropped``: the context shift its start made (told to its stream)."""
+        self._gens[conv] = Generation(params, sink, TextAssembler(params.stop), shifts)
+        if dropped is not None:
+            self.outbox.emit(sink, Delta(dropped=dropped))
+
+    def shifted(self, conv: int, keep: int, n: int) -> None:
+        """The scheduler dropped tokens ``[keep, keep + n)`` of ``conv``'s history."""
+        self.outbox.emit(self._gens[conv].sink, Delta(dropped=(keep, n)))
 
     def admitted(self, convs: tuple[int, ...]) -> None:
         """These generations got a seq id: they no longer count against ``max_queued``."""
@@ -74,16 +90,19 @@ class Generations:
         """The prompts waiting for ``conv``'s generation to end (a fork inherits them)."""
         return list(self._deferred.get(conv, ()))
 
-    def update(self, result: StepResult, history_len: Callable[[int], int]) -> list[int]:
+    def update(self, result: StepResult, scheduler: Scheduler) -> list[int]:
         """Turn the step's sampled tokens into deltas; return the conversations whose generation
         ended (call :meth:`end` for each, after the scheduler has seen the tokens)."""
         ended = []
         for sampled in result.sampled:
             gen = self._gens[sampled.conv]
-            delta = self._next(gen, sampled, history_len(sampled.conv))
-            self.outbox.emit(gen.sink, delta)
+            seq = scheduler.get(sampled.conv)
+            delta = self._next(gen, sampled, len(seq.tokens))
             if delta.finish_reason is not None:
+                delta = Delta(delta.text, delta.tokens, delta.finish_reason, history=delta.history,
+                              stats=stats_of(seq))
                 ended.append(sampled.conv)
+            self.outbox.emit(gen.sink, delta)
         return ended
 
     def _next(self, gen: Generation, sampled: Sampled, history_len: int) -> Delta:
@@ -94,12 +113,12 @@ class Generations:
         text = gen.text.feed(sampled.piece)
         if gen.text.stopped:
             return Delta(text, token, FinishReason.STOP, history=token)
-        if gen.n_generated >= gen.params.max_tokens or history_len >= self.n_ctx:
+        if gen.n_generated >= gen.params.max_tokens or (history_len >= self.n_ctx and not gen.shifts):
             return Delta(text + gen.text.finish(), token, FinishReason.LENGTH, history=token)
         return Delta(text, token, history=token)
 
-    def end(self, conv: int, reason: FinishReason | None = None,
-            error: BaseException | None = None) -> list[tuple[int, ...]]:
+    def end(self, conv: int, reason: FinishReason | None = None, error: BaseException | None = None,
+            stats: GenerationStats | None = None) -> list[tuple[int, ...]]:
         """The generation of ``conv`` is over. With a ``reason`` (or ``error``) its stream is told so
         here; without, :meth:`update` already emitted its last delta. Returns the prompts that
         waited for it, to append now."""
@@ -107,7 +126,7 @@ class Generations:
         if gen.queued:
             self.admission.leave()
         if reason is not None or error is not None:
-            self.outbox.emit(gen.sink, Delta(finish_reason=reason, error=error))
+            self.outbox.emit(gen.sink, Delta(finish_reason=reason, error=error, stats=stats))
         return self._deferred.pop(conv, [])
 
     def forget(self, conv: int) -> None:

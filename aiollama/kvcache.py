@@ -3,23 +3,34 @@
 In a unified cache ``seq_cp(src, dst, 0, n)`` makes ``dst`` share ``src``'s cells for positions
 ``[0, n)``; a cell is freed once no sequence holds it. :class:`KVCells` models exactly that as a tree
 of spans: each sequence's cache is the path from its tail span to the root, and a span's ``refs``
-counts the sequences whose path passes through it.
+counts the sequences whose path passes through it. Since sequences that share a span hold the same
+tokens there, the tree is also a radix tree of the cached token prefixes.
 
 :class:`KVManager` is the mechanism under the scheduler's policy: the pool of seq ids, which
-sequence holds which, the cells each holds, and the log of KV operations (``seq_rm``/``seq_cp``)
-the executor must apply before the next decode. A conversation is the public word; a *sequence*
-here is the decode thread's state of one conversation, and a *seq id* is the llama.cpp slot it
-holds only while it has KV cached (ids are pooled and taken back from idle sequences, least
-recently used first).
+*holder* holds which, the cells each holds, the prefix cache, and the log of KV operations the
+executor must apply before the next decode. A conversation is the public word; a *sequence* here is
+the decode thread's state of one conversation, and a *seq id* is the llama.cpp slot a holder keeps
+while it has cells. Holders are sequences, and cache entries: what a closed conversation had cached,
+kept as a prefix for any later conversation that starts with the same tokens.
+
+When cells are needed, idle holders give them back least recently used first, leaf first: a holder
+gives up only the cells nobody else holds (its tail beyond the prefix it shares). With a host budget
+its whole state is parked in host memory first (:mod:`aiollama.hostcache`); without one only as
+much of its tail as is needed is dropped.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from aiollama.step import Copy, Op, Remove
+from aiollama.hostcache import HostCache, Parked, common_prefix
+from aiollama.step import Copy, Op, Park, Remove, Restore, Shift
+
+# A holder with fewer cells than this is not worth parking in host memory: it is dropped instead.
+MIN_PARK_TOKENS = 16
 
 
 class Span:
@@ -121,7 +132,7 @@ class Phase(enum.Enum):
 
 @dataclass(eq=False)
 class SeqState:
-    """The decode thread's state of one conversation."""
+    """The decode thread's state of one conversation, or of one cache entry (``entry``)."""
 
     conv: int
     tokens: list[int]
@@ -131,6 +142,14 @@ class SeqState:
     last_used: int = 0  # when it was last used: the least recently used idle one is evicted first
     started: int = 0  # admission order: the newest running one is preempted first
     follow: tuple[SeqState, int] | None = None  # (leader, prefix length) it waits to share
+    entry: bool = False  # a cache entry: a closed conversation's prefix, no conversation behind it
+    restoring: bool = False  # a parked state is being put back this step: no tokens for it yet
+    n_keep: int | None = None  # context shift: keep this many first tokens; None: no shift
+    # what the current generation cost (reset when it is submitted)
+    prompt_tokens: int = -1  # history at its first admission; -1 before
+    cached_tokens: int = 0  # of those, not evaluated
+    preemptions: int = 0
+    restores: int = 0
 
     @property
     def n_cached(self) -> int:
@@ -141,15 +160,32 @@ class SeqState:
         return len(self.tokens) - self.n_cached
 
 
-class KVManager:
-    """Seq ids, the cells each sequence holds, and the KV operations that keep llama.cpp in step."""
+def unique_cells(seq: SeqState) -> int:
+    """Cells only ``seq`` holds: the end of its path that nobody else's passes through."""
+    n, span = 0, seq.kv
+    while span is not None and span.refs == 1:
+        n += span.length
+        span = span.parent
+    return n
 
-    def __init__(self, n_cells: int, n_seq_max: int) -> None:
+
+class KVManager:
+    """Seq ids, the cells each holder holds, and the KV operations that keep llama.cpp in step."""
+
+    def __init__(self, n_cells: int, n_seq_max: int, host: HostCache | None = None) -> None:
         self.cells = KVCells(n_cells)
         self.n_seq_max = n_seq_max
+        self.host = host if host is not None else HostCache(0)
+        self.parks = self.restores = self.evictions = 0
+        self.n_entries = 0
+        self.clock = itertools.count(1)  # orders uses (LRU) and admissions (newest is preempted)
         self._free_ids = list(range(n_seq_max - 1, -1, -1))  # pop() gives the lowest id
         self._holders: dict[int, SeqState] = {}  # seq id -> sequence holding it
         self._ops: list[Op] = []
+        self._entry_ids = itertools.count(-1, -1)
+
+    def tick(self) -> int:
+        return next(self.clock)
 
     @property
     def free(self) -> int:
@@ -167,6 +203,8 @@ class KVManager:
         ops, self._ops = tuple(self._ops), []
         return ops
 
+    # seq ids
+
     def assign(self, seq: SeqState) -> bool:
         """Give ``seq`` a seq id, taking one from the least recently used idle holder if none is
         free. False if every id is held by a sequence with work in flight."""
@@ -174,21 +212,25 @@ class KVManager:
             victim = self.lru_idle()
             if victim is None:
                 return False
-            self.drop(victim)
+            self.evict(victim, victim.n_cached, whole=True)
         seq.seq_id = self._free_ids.pop()
         self._holders[seq.seq_id] = seq
         return True
 
     def drop(self, seq: SeqState) -> None:
-        """Release a sequence's cells and seq id."""
+        """Release a holder's cells and seq id."""
         if seq.seq_id is not None:
             self._ops.append(Remove(seq.seq_id))
             self.cells.release(seq.kv)
             del self._holders[seq.seq_id]
+            self.n_entries -= seq.entry
             self._free_ids.append(seq.seq_id)
             self._free_ids.sort(reverse=True)
         seq.kv = None
         seq.seq_id = None
+        seq.restoring = False
+
+    # cells
 
     def truncate(self, seq: SeqState, keep: int) -> None:
         """Keep only the first ``keep`` cached positions of ``seq``."""
@@ -204,6 +246,7 @@ class KVManager:
             self.cells.release(seq.kv)
         self._ops.append(Copy(donor.seq_id, seq.seq_id, n))
         seq.kv = self.cells.share(donor.kv, n)
+        donor.last_used = self.tick()
 
     def extend(self, seq: SeqState, count: int) -> None:
         """``count`` more positions of ``seq`` were decoded into the context."""
@@ -217,19 +260,131 @@ class KVManager:
         elif n_cached < have:
             seq.kv = self.cells.truncate(seq.kv, n_cached)
 
-    def lru_idle(self, holding_cells: bool = False) -> SeqState | None:
-        """The least recently used idle sequence holding a seq id (and cells, if asked)."""
+    def shift(self, seq: SeqState, keep: int, n: int) -> None:
+        """Context shift: drop cached positions ``[keep, keep + n)`` and move the rest down by ``n``.
+        The caller checked that ``seq`` holds them alone."""
+        assert seq.seq_id is not None and unique_cells(seq) >= seq.n_cached - keep
+        moved = seq.n_cached - keep - n
+        self._ops.append(Shift(seq.seq_id, keep, n))
+        seq.kv = self.cells.extend(self.cells.truncate(seq.kv, keep), moved)
+
+    # the prefix cache and eviction
+
+    def lru_idle(self, holding_cells: bool = False, any_cells: bool = False) -> SeqState | None:
+        """The least recently used idle holder (holding cells of its own, or any cells, if asked)."""
         best: SeqState | None = None
         for seq in self._holders.values():
-            if seq.phase is Phase.IDLE and (not holding_cells or seq.kv is not None):
-                if best is None or seq.last_used < best.last_used:
-                    best = seq
+            if seq.phase is not Phase.IDLE:
+                continue
+            if (holding_cells and unique_cells(seq) == 0) or (any_cells and seq.kv is None):
+                continue
+            if best is None or seq.last_used < best.last_used:
+                best = seq
         return best
 
-    def evict_idle(self) -> bool:
-        """Drop the least recently used idle sequence that holds cells; False if there is none."""
-        victim = self.lru_idle(holding_cells=True)
-        if victim is None:
-            return False
-        self.drop(victim)
+    def free_cells(self, needed: int) -> bool:
+        """Evict idle holders, least recently used first, until ``needed`` cells are free. Holders
+        with cells of their own go first; when only cells several idle holders share are left, one
+        of those goes whole, so the next one's become its own."""
+        while self.cells.free < needed:
+            victim = self.lru_idle(holding_cells=True)
+            if victim is not None:
+                self.evict(victim, needed - self.cells.free)
+                continue
+            victim = self.lru_idle(holding_cells=False, any_cells=True)
+            if victim is None:
+                return False
+            self.evict(victim, victim.n_cached, whole=True)
         return True
+
+    def evict(self, seq: SeqState, want: int, *, whole: bool = False) -> None:
+        """Take cells back from an idle holder: park it and drop it when host memory takes it,
+        otherwise drop only as much of its own tail as ``want`` (all of it with ``whole``)."""
+        self.evictions += 1
+        if self.host.enabled and seq.n_cached >= MIN_PARK_TOKENS:
+            self.park(seq)
+            whole = True
+        keep = 0 if whole else seq.n_cached - min(want, unique_cells(seq))
+        if keep <= 0 or (seq.entry and keep <= seq.n_cached - unique_cells(seq)):
+            self.drop(seq)  # an entry reduced to what others hold is nothing of its own
+        else:
+            self.truncate(seq, keep)
+            if seq.entry:
+                del seq.tokens[keep:]
+
+    def park(self, seq: SeqState) -> None:
+        """Copy ``seq``'s cells to host memory (the bytes come with the step's result)."""
+        assert seq.seq_id is not None
+        key = self.host.reserve(seq.tokens[:seq.n_cached], self.tick())
+        self._ops.append(Park(seq.seq_id, key))
+        self.parks += 1
+
+    def restore(self, seq: SeqState, parked: Parked, n: int) -> None:
+        """Put a parked state back into ``seq`` (which holds a seq id and no cells) and keep its
+        first ``n`` positions. Its tokens can be decoded from the next step on."""
+        assert seq.seq_id is not None and seq.kv is None and parked.data is not None
+        self.host.take(parked.key)
+        self._ops.append(Restore(seq.seq_id, parked.data))
+        seq.kv = self.cells.extend(None, len(parked.tokens))
+        self.truncate(seq, n)
+        seq.restoring = True
+        seq.restores += 1
+        self.restores += 1
+
+    def restored(self, seq: SeqState, ok: bool) -> None:
+        """The executor put the state back (or could not: ``seq`` then holds nothing)."""
+        seq.restoring = False
+        if not ok:
+            seq.kv = self.cells.truncate(seq.kv, 0)
+
+    def retire(self, seq: SeqState) -> None:
+        """A closed conversation: what it had cached stays as a cache entry (unless some other
+        holder already holds all of it, or it holds nothing)."""
+        if seq.seq_id is None or seq.n_cached == 0:
+            self.drop(seq)
+            return
+        seq.conv, seq.entry, seq.phase = next(self._entry_ids), True, Phase.IDLE
+        self.n_entries += 1
+        del seq.tokens[seq.n_cached:]
+        seq.follow, seq.last_used = None, self.tick()
+        for other in list(self._holders.values()):
+            if other is seq:
+                continue
+            n = common_prefix(seq.tokens, other.tokens)
+            if n >= seq.n_cached and other.n_cached >= seq.n_cached:
+                self.drop(seq)  # another holder holds all of it
+                return
+            if other.entry and n >= other.n_cached:
+                self.drop(other)  # this one holds all of that entry
+
+    def clear_cache(self) -> None:
+        """Drop every cache entry and every parked state."""
+        for seq in [h for h in self._holders.values() if h.entry]:
+            self.drop(seq)
+        self.host.clear()
+
+    def cells_cached(self) -> int:
+        """Cells held by cache entries only (not by any conversation)."""
+        live: set[int] = set()
+        n_live = 0
+        for seq in self._holders.values():
+            if seq.entry:
+                continue
+            span = seq.kv
+            while span is not None and id(span) not in live:
+                live.add(id(span))
+                n_live += span.length
+                span = span.parent
+        return self.cells.used - n_live
+
+
+def best_prefix(tokens: Sequence[int], holders: Iterable[SeqState], skip: SeqState, limit: int) -> tuple[SeqState | None, int]:
+    """The holder whose cells cover the longest prefix of ``tokens`` (at most ``limit``)."""
+    best, best_n = None, 0
+    for other in holders:
+        if other is skip:
+            continue
+        n = min(common_prefix(tokens, other.tokens), limit, other.n_cached)
+        if n > best_n:
+            best, best_n = other, n
+    return best, best_n

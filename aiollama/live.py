@@ -69,7 +69,8 @@ class Board:
             ("tokens/s ", "dim"), (f"{self.rate():6.1f}", "bold"),
             ("   batch ", "dim"), (f"{stats.active}/{stats.n_seq_max}", "bold"), (f" (peak {self.peak})", "dim"),
             ("   queued ", "dim"), (str(stats.queued), "bold"),
-            ("   KV cells ", "dim"), (f"{stats.kv_cells_used}/{stats.kv_cells_total}", "bold"),
+            ("   KV cells ", "dim"), (f"{stats.kv_cells_used - stats.kv_cells_cached}/{stats.kv_cells_total}", "bold"),
+            ("   cached ", "dim"), (str(stats.kv_cells_cached), "bold"),
             ("   generated ", "dim"), (str(stats.tokens_generated), "bold"),
         )
 

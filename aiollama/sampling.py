@@ -27,8 +27,9 @@ class SamplingParams:
 
     ``temperature`` 0 means greedy. The penalties look at the last ``penalty_last_n`` tokens of the
     conversation, prompt included. ``seed`` None picks a random seed. ``grammar`` is GBNF text.
-    ``stop`` strings end the stream and are never emitted. Every field is checked on creation and a
-    bad one raises ``InvalidRequestError`` (a ``ValueError``) naming it.
+    ``stop`` strings end the stream and are never emitted. ``context_shift`` and ``n_keep`` choose
+    what happens when the history outgrows the context (None: the engine's setting). Every field is
+    checked on creation and a bad one raises ``InvalidRequestError`` (a ``ValueError``) naming it.
     """
 
     max_tokens: int = 256
@@ -46,6 +47,8 @@ class SamplingParams:
     grammar: str | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    context_shift: bool | None = None
+    n_keep: int | None = None
 
     def __post_init__(self) -> None:
         integer("max_tokens", self.max_tokens, low=1, high=2**31 - 1)
@@ -77,6 +80,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.context_shift is not None and not isinstance(self.context_shift, bool):
+            raise InvalidRequestError(f"context_shift must be a bool or None, got {self.context_shift!r}")
+        if self.n_keep is not None:
+            integer("n_keep", self.n_keep, low=0)
 
     @property
     def greedy(self) -> bool:

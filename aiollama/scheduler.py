@@ -1,74 +1,79 @@
 """The scheduler: which sequences run, and which tokens go into each decode step.
 
 Pure Python: it imports neither cffi nor anyio, and is tested with a fake KV cache. The decode thread
-tells it what callers asked for (conversations added, prompted, forked, submitted, finished,
+tells it what callers asked for (conversations added, prompted, forked, rewound, submitted, finished,
 removed), asks it for a :class:`~aiollama.step.Plan` each step, and hands it the step's result.
-The mechanism underneath (seq ids, cells, KV operations) is :class:`~aiollama.kvcache.KVManager`.
+The mechanism underneath (seq ids, cells, the prefix cache, parking) is
+:class:`~aiollama.kvcache.KVManager`.
 
 Policy, in the order it is applied each step:
 
-1. Admission. Conversations that want to generate wait FIFO (preempted ones go first) for a seq id.
-   A seq id comes from the free pool, else from the least recently used idle conversation, whose
-   KV is dropped (it is re-evaluated transparently when used again).
-2. Prefix sharing. An admitted sequence without KV shares the longest cached prefix any other
-   sequence holds (``seq_cp``, free in a unified cache). If another running sequence is still
+1. Admission. Conversations that want to generate wait FIFO (preempted ones go first) until fewer
+   than ``max_running`` run and the cells they need (what they do not share, and a cell for each
+   running stream's next token) are free or held by idle holders, then take a seq id. When
+   nothing runs, the first one is admitted whatever it needs.
+2. Prefix sharing. An admitted sequence shares the longest cached prefix any holder has (a running
+   or idle conversation, or a cache entry left by a closed one: ``seq_cp``, free in a unified
+   cache), or gets a parked state back from host memory when that saves at least
+   ``MIN_RESTORE_GAIN`` tokens and half the cells it takes. If another running sequence is still
    prefilling a longer common prefix, it waits for that one instead of evaluating it twice.
 3. Slices. Every running sequence with one pending token (a decode row) goes first; prompt chunks
    follow, round-robin, in what is left of ``step_tokens`` (but at least ``MIN_PREFILL_CHUNK``
    tokens, so prompts progress even when decode rows fill the budget). A long prompt therefore
    never freezes running streams, and a step holds at most
    ``max(step_tokens, decode rows + MIN_PREFILL_CHUNK)`` tokens, never more than ``n_batch``.
-4. Room. If the slices need more KV cells than are free: evict idle conversations (least recently
-   used first), then shrink prompt chunks, then preempt the most recently started stream, which
-   keeps its tokens and resumes later from the front of the queue.
+   A sequence with a context-shift policy whose history has filled the context first drops the
+   older half of what follows its first ``n_keep`` tokens.
+4. Room. If the slices need more KV cells than are free: idle holders give theirs back (least
+   recently used first, parked in host memory when it has room), then prompt chunks shrink, then
+   the most recently started stream is preempted: parked too, it keeps its tokens and resumes
+   first when room returns.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from aiollama.errors import ContextFull, InvalidRequestError
-from aiollama.kvcache import KVManager, Phase, SeqState
+from aiollama.hostcache import HostCache, common_prefix
+from aiollama.kvcache import MIN_PARK_TOKENS, KVManager, Phase, SeqState, best_prefix, unique_cells
 from aiollama.step import Op, Plan, Slice, StepResult, StepStatus
 
 # Sharing a prefix that is still being prefilled is worth waiting for only if it saves this much.
 MIN_SHARED_WAIT = 32
 # A prompt chunk gets at least this many tokens a step, even when decode rows fill the budget.
 MIN_PREFILL_CHUNK = 16
+# A parked state comes back only if it saves evaluating at least this many tokens.
+MIN_RESTORE_GAIN = 16
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two token lists, comparing slices at C speed."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+__all__ = ["MIN_PREFILL_CHUNK", "Scheduler", "common_prefix"]
 
 
 class Scheduler:
-    """Sequences, seq ids and KV cells of one context, and each step's plan."""
+    """Sequences, seq ids and KV cells of one context, and each step's plan.
 
-    def __init__(self, *, n_ctx: int, n_seq_max: int, n_batch: int, step_tokens: int) -> None:
+    ``n_seq_max`` is how many seq ids the context has (holders of cached prefixes included);
+    ``max_running`` how many sequences may generate at once (default: all of them).
+    """
+
+    def __init__(self, *, n_ctx: int, n_seq_max: int, n_batch: int, step_tokens: int,
+                 max_running: int | None = None, host_bytes: int = 0, can_shift: bool = True) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.step_tokens = min(step_tokens, n_batch)
-        self.kv = KVManager(n_ctx, n_seq_max)
+        self.max_running = min(max_running or n_seq_max, n_seq_max)
+        self.can_shift = can_shift  # the memory can move positions (seq_add)
+        self.kv = KVManager(n_ctx, n_seq_max, HostCache(host_bytes))
+        self.preemptions = 0
+        self.cache_hit_tokens = 0  # tokens an admission did not have to evaluate
         self._seqs: dict[int, SeqState] = {}
         self._waiting: deque[SeqState] = deque()
         self._running: list[SeqState] = []
         self._admitted: list[int] = []
-        self._clock = itertools.count(1)  # orders uses (LRU) and admissions (newest is preempted)
+        self._shifted: list[tuple[int, int, int]] = []
         self._rr = 0
 
     # what callers asked for
@@ -86,35 +91,56 @@ class Scheduler:
     def add(self, conv: int, tokens: Iterable[int] = ()) -> SeqState:
         if conv in self._seqs:
             raise KeyError(f"conversation {conv} already exists")
-        seq = SeqState(conv, list(tokens), last_used=next(self._clock))
+        seq = SeqState(conv, list(tokens), last_used=self.kv.tick())
         self._seqs[conv] = seq
         return seq
 
     def append(self, conv: int, tokens: Iterable[int]) -> None:
         seq = self._seqs[conv]
         seq.tokens.extend(tokens)
-        seq.last_used = next(self._clock)
+        seq.last_used = self.kv.tick()
 
     def fork(self, parent: int, child: int, n_tokens: int | None = None) -> SeqState:
         """The child starts with the parent's first ``n_tokens`` tokens (all of them by default);
         it shares their KV once it runs (prefix sharing)."""
         src = self._seqs[parent]
-        src.last_used = next(self._clock)
+        src.last_used = self.kv.tick()
         return self.add(child, src.tokens if n_tokens is None else src.tokens[:n_tokens])
 
-    def submit(self, conv: int) -> None:
-        """The conversation wants to generate. Raises ContextFull if its history can never fit."""
+    def rewind(self, conv: int, n_tokens: int) -> None:
+        """Keep only the first ``n_tokens`` tokens of an idle conversation (and of its cache)."""
+        seq = self._seqs[conv]
+        assert seq.phase is Phase.IDLE, "callers rewind only conversations that do not generate"
+        del seq.tokens[n_tokens:]
+        self.kv.truncate(seq, n_tokens)
+        seq.last_used = self.kv.tick()
+
+    def submit(self, conv: int, n_keep: int | None = None) -> tuple[int, int] | None:
+        """The conversation wants to generate. With ``n_keep`` (a context-shift policy) a history too
+        long for the context loses part of what follows its first ``n_keep`` tokens, and this
+        returns ``(n_keep, n_dropped)``; without, it raises ContextFull."""
         seq = self._seqs[conv]
         # Callers refuse a second generation before it gets here (ConversationBusy).
         assert seq.phase is Phase.IDLE, f"conversation {conv} is already generating"
         if not seq.tokens:
             raise InvalidRequestError("nothing to generate from: prompt the conversation first")
+        if n_keep is not None and n_keep > self.n_ctx // 2:
+            raise InvalidRequestError(f"n_keep ({n_keep}) must be at most half the context ({self.n_ctx // 2})")
+        dropped = None
         if len(seq.tokens) >= self.n_ctx:
-            raise ContextFull(
-                f"the conversation holds {len(seq.tokens)} tokens; the context has {self.n_ctx}")
+            if n_keep is None:
+                raise ContextFull(
+                    f"the conversation holds {len(seq.tokens)} tokens; the context has {self.n_ctx}")
+            n = self._shift_size(len(seq.tokens), n_keep)
+            self.kv.truncate(seq, min(seq.n_cached, n_keep))
+            del seq.tokens[n_keep:n_keep + n]
+            dropped = (n_keep, n)
+        seq.n_keep = n_keep
+        seq.prompt_tokens, seq.cached_tokens, seq.preemptions, seq.restores = -1, 0, 0, 0
         seq.phase = Phase.WAITING
-        seq.last_used = next(self._clock)
+        seq.last_used = self.kv.tick()
         self._waiting.append(seq)
+        return dropped
 
     def finish(self, conv: int) -> None:
         """The generation ended (or was cancelled); the sequence keeps its seq id and KV as a cache."""
@@ -124,13 +150,13 @@ class Scheduler:
         elif seq.phase is Phase.RUNNING:
             self._running.remove(seq)
         seq.phase = Phase.IDLE
-        seq.follow = None
-        seq.last_used = next(self._clock)
+        seq.follow = seq.n_keep = None
+        seq.last_used = self.kv.tick()
 
     def remove(self, conv: int) -> None:
-        """The conversation is closed: free its seq id and cells."""
+        """The conversation is closed: its cached prefix stays as a cache entry."""
         self.finish(conv)
-        self.kv.drop(self._seqs.pop(conv))
+        self.kv.retire(self._seqs.pop(conv))
 
     @property
     def busy(self) -> bool:
@@ -151,17 +177,24 @@ class Scheduler:
     # the step
 
     def schedule(self) -> Plan:
-        """The next step's plan. Building it has effects: admissions, prefix sharing, evictions and
-        preemptions are decided here, and their KV operations lead the plan."""
+        """The next step's plan. Building it has effects: admissions, prefix sharing, evictions,
+        parking, context shifts and preemptions are decided here, and their KV operations lead the
+        plan."""
         self._admit()
         slices = self._fit(self._slices())
         admitted, self._admitted = tuple(self._admitted), []
-        return Plan(self.kv.take_ops(), tuple(slices), admitted)
+        shifted, self._shifted = tuple(self._shifted), []
+        return Plan(self.kv.take_ops(), tuple(slices), admitted, shifted)
 
     def update(self, plan: Plan, result: StepResult) -> bool:
         """Apply a step's result: the decoded tokens are cached and sampled tokens join the history;
         after a failure the cache is resynced with what the context holds. Returns False only for a
         NO_KV_SLOT that nothing could be freed for."""
+        for key, data in result.parked.items():
+            self.kv.host.fill(key, data)
+        for seq in self.kv.holders():
+            if seq.restoring:
+                self.kv.restored(seq, result.restored.get(seq.seq_id or 0, False))
         if result.status is StepStatus.OK:
             for s in plan.slices:
                 self.kv.extend(self._seqs[s.conv], len(s.tokens))
@@ -177,7 +210,9 @@ class Scheduler:
 
     def make_room(self) -> bool:
         """llama.cpp found no KV slot although the plan fit: free cells by force. False if it cannot."""
-        if self.kv.evict_idle():
+        victim = self.kv.lru_idle(holding_cells=True)
+        if victim is not None:
+            self.kv.evict(victim, victim.n_cached, whole=True)
             return True
         if len(self._running) > 1:
             self._preempt(max(self._running, key=lambda s: s.started))
@@ -191,37 +226,49 @@ class Scheduler:
     # internals
 
     def _admit(self) -> None:
-        while self._waiting:
+        while self._waiting and len(self._running) < self.max_running:
             seq = self._waiting[0]
+            if self._running:
+                _, shared = best_prefix(seq.tokens, self.kv.holders(), seq, len(seq.tokens) - 1)
+                if not self.kv.free_cells(len(seq.tokens) - max(shared, seq.n_cached) + len(self._running)):
+                    return  # admitted now, it would only be preempted again
             if seq.seq_id is None and not self.kv.assign(seq):
                 return
             self._waiting.popleft()
             seq.phase = Phase.RUNNING
-            seq.started = next(self._clock)
+            seq.started = self.kv.tick()
             self._running.append(seq)
             self._admitted.append(seq.conv)
             if seq.pending <= 0:
                 # everything is cached, but sampling needs the last token's logits: evaluate it again
                 self.kv.truncate(seq, len(seq.tokens) - 1)
             self._find_prefix(seq)
+            self.cache_hit_tokens += seq.n_cached
+            if seq.prompt_tokens < 0:
+                seq.prompt_tokens, seq.cached_tokens = len(seq.tokens), seq.n_cached
 
     def _find_prefix(self, seq: SeqState) -> None:
-        """Share the longest cached prefix, or arrange to wait for a longer one being prefilled."""
+        """Share the longest cached prefix, restore a parked one, or arrange to wait for a longer
+        one being prefilled."""
         limit = len(seq.tokens) - 1  # at least one token must be evaluated for logits
-        best, best_n = None, seq.n_cached
+        best, best_n = best_prefix(seq.tokens, self.kv.holders(), seq, limit)
+        best_n = max(best_n, seq.n_cached)
+        parked, parked_n = self.kv.host.best(seq.tokens, limit)
+        if parked is not None and parked_n - best_n >= max(MIN_RESTORE_GAIN, len(parked.tokens) // 2) \
+                and self.kv.free_cells(len(parked.tokens) + 1):
+            if seq.kv is not None:
+                self.kv.truncate(seq, 0)
+            self.kv.restore(seq, parked, parked_n)
+            return
+        if best is not None and best_n > seq.n_cached:
+            self.kv.share(seq, best, best_n)
         lead, lead_n = None, 0
-        for other in self.kv.holders():
-            if other is seq:
+        for other in self._running:
+            if other is seq or other.follow is not None:
                 continue
             n = min(common_prefix(seq.tokens, other.tokens), limit)
-            have = min(n, other.n_cached)
-            if have > best_n:
-                best, best_n = other, have
-            if (other.phase is Phase.RUNNING and other.follow is None and n > other.n_cached
-                    and n > lead_n):
+            if n > other.n_cached and n > lead_n:
                 lead, lead_n = other, n
-        if best is not None:
-            self.kv.share(seq, best, best_n)
         if lead is not None and lead_n >= seq.n_cached + MIN_SHARED_WAIT:
             seq.follow = (lead, lead_n)
 
@@ -230,7 +277,7 @@ class Scheduler:
         if seq.follow is None:
             return False
         lead, n = seq.follow
-        if lead.seq_id is not None and lead.n_cached >= n:
+        if lead.seq_id is not None and lead.n_cached >= n and not lead.restoring:
             seq.follow = None
             if n > seq.n_cached:
                 self.kv.share(seq, lead, n)
@@ -240,11 +287,33 @@ class Scheduler:
         seq.follow = None  # the leader went away before getting there
         return False
 
+    def _shift_size(self, length: int, keep: int) -> int:
+        """How many tokens after the first ``keep`` a shift drops from a history of ``length``: the
+        older ones, leaving about half of the room after ``keep`` filled."""
+        return length - keep - (self.n_ctx - 1 - keep) // 2
+
+    def _shift(self, seq: SeqState) -> None:
+        """The history filled the context: drop the older half of what follows the first
+        ``n_keep`` tokens, moving the cached rest down when it holds those cells alone."""
+        assert seq.n_keep is not None
+        keep = seq.n_keep
+        n = self._shift_size(len(seq.tokens), keep)
+        if self.can_shift and seq.n_cached > keep + n and unique_cells(seq) >= seq.n_cached - keep:
+            self.kv.shift(seq, keep, n)
+        else:  # cells shared with another holder cannot move: evaluate the kept tail again
+            self.kv.truncate(seq, min(seq.n_cached, keep))
+        del seq.tokens[keep:keep + n]
+        self._shifted.append((seq.conv, keep, n))
+
     def _slices(self) -> list[Slice]:
         slices: list[Slice] = []
         prefill: list[SeqState] = []
         for seq in self._running:
             assert seq.seq_id is not None
+            if seq.restoring:
+                continue
+            if seq.n_keep is not None and len(seq.tokens) >= self.n_ctx:
+                self._shift(seq)
             if seq.pending == 1:
                 if len(slices) < self.n_batch:
                     pos = seq.n_cached
@@ -272,8 +341,7 @@ class Scheduler:
         def need() -> int:
             return sum(len(s.tokens) for s in slices)
 
-        while need() > self.kv.free and self.kv.evict_idle():
-            pass
+        self.kv.free_cells(need())
         while need() > self.kv.free:
             prompt_slices = [i for i, s in enumerate(slices) if len(s.tokens) > 1 or not s.logits]
             if not prompt_slices:
@@ -292,9 +360,14 @@ class Scheduler:
         return slices
 
     def _preempt(self, seq: SeqState) -> None:
-        """Stop a running sequence to free its cells; it resumes first when room returns."""
+        """Stop a running sequence to free its cells (parked in host memory if it has room); it
+        resumes first when room returns."""
         self._running.remove(seq)
+        if self.kv.host.enabled and seq.n_cached >= MIN_PARK_TOKENS:
+            self.kv.park(seq)
         self.kv.drop(seq)
         seq.phase = Phase.WAITING
         seq.follow = None
         self._waiting.appendleft(seq)
+        seq.preemptions += 1
+        self.preemptions += 1

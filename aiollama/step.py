@@ -33,7 +33,33 @@ class Copy:
     n: int
 
 
-Op = Remove | Copy
+@dataclass(frozen=True)
+class Shift:
+    """Context shift: drop positions ``[p0, p0 + n)`` of ``seq_id`` and move the later ones down by
+    ``n`` (``seq_rm`` then ``seq_add``); the sequence holds its cells alone."""
+
+    seq_id: int
+    p0: int
+    n: int
+
+
+@dataclass(frozen=True)
+class Park:
+    """Copy ``seq_id``'s cells out to host memory, under ``key`` (a ``Remove`` usually follows)."""
+
+    seq_id: int
+    key: int
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Put a parked state back into ``seq_id`` (which holds nothing); the result says if it fit."""
+
+    seq_id: int
+    data: bytes = field(repr=False)
+
+
+Op = Remove | Copy | Shift | Park | Restore
 
 
 @dataclass(frozen=True)
@@ -52,12 +78,15 @@ class Slice:
 class Plan:
     """What one step does: KV operations first, then one decode of the slices.
 
-    ``admitted`` lists the conversations that got a seq id in this plan.
+    ``admitted`` lists the conversations that got a seq id in this plan; ``shifted`` the context
+    shifts it made, as ``(conv, n_keep, n_dropped)``: tokens ``[n_keep, n_keep + n_dropped)`` left
+    that conversation's history.
     """
 
     ops: tuple[Op, ...] = ()
     slices: tuple[Slice, ...] = ()
     admitted: tuple[int, ...] = ()
+    shifted: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def n_tokens(self) -> int:
@@ -93,6 +122,8 @@ class StepResult:
     n_cached: Mapping[int, int] = field(default_factory=dict)  # conv -> positions held, after a failure
     decode_seconds: float = 0.0
     detail: str = ""  # why a step failed
+    parked: Mapping[int, bytes] = field(default_factory=dict)  # Park key -> the state copied out
+    restored: Mapping[int, bool] = field(default_factory=dict)  # Restore seq id -> whether it fit
 
 
 @dataclass(frozen=True)
@@ -164,3 +195,16 @@ class Executor(Protocol):
     def request_abort(self) -> None: ...
 
     def close(self) -> None: ...
+
+    # Between steps (saving and loading a conversation), with the plan's KV operations applied:
+
+    fingerprint: Mapping[str, str | int]  # what a saved state must match: the model and the cache layout
+    can_shift: bool  # the memory can move positions (context shift)
+
+    def read_state(self, seq_id: int) -> bytes:
+        """A copy of ``seq_id``'s cells (empty if it holds none)."""
+        ...
+
+    def write_state(self, seq_id: int, data: bytes) -> bool:
+        """Replace ``seq_id``'s cells with a copy; False (and ``seq_id`` empty) if it does not fit."""
+        ...

@@ -94,9 +94,12 @@ class FakeExecutor:
 
     def __init__(self, config: EngineConfig, *, eog_every: int | None = None, fault: Fault | None = None,
                  hold: threading.Event | None = None) -> None:
-        self.n_ctx, self.n_seq_max, self.n_batch = config.n_ctx, config.n_seq_max, config.n_batch
+        self.n_ctx, self.n_batch = config.n_ctx, config.n_batch
+        self.n_seq_max = config.context_seq_ids  # ids for the prefix cache too
         self.tokenizer = ByteTokenizer()
-        self.kv = FakeKV(config.n_ctx, config.n_seq_max)
+        self.kv = FakeKV(config.n_ctx, self.n_seq_max)
+        self.fingerprint = {"model": "fake", "n_vocab": ByteTokenizer.n_vocab}
+        self.can_shift = True
         self.eog_every = eog_every
         self.fault = fault
         self.hold = hold
@@ -121,9 +124,9 @@ class FakeExecutor:
             self._abort.clear()
 
     def _execute(self, plan: Plan) -> StepResult:
-        self.kv.apply(plan.ops)
+        parked, restored = self.kv.apply(plan.ops)
         if not plan.slices:
-            return StepResult(StepStatus.OK)
+            return StepResult(StepStatus.OK, parked=parked, restored=restored)
         self.plans.append(plan)
         status = self.fault(plan) if self.fault is not None else None
         if status is None and self.hold is not None and plan.prefilling:
@@ -133,18 +136,24 @@ class FakeExecutor:
             self.prefilling.clear()
             status = StepStatus.ABORTED if self._abort.is_set() else None
         if status is StepStatus.NO_KV_SLOT or (status is None and not self.kv.fits(plan)):
-            return StepResult(StepStatus.NO_KV_SLOT)
+            return StepResult(StepStatus.NO_KV_SLOT, parked=parked, restored=restored)
         if status is not None:
             self.kv.decode(plan, limit=plan.n_tokens // 2)
             return StepResult(status, n_cached={s.conv: self.kv.pos_max(s.seq_id) + 1 for s in plan.slices},
-                              detail=f"injected {status.name}")
+                              detail=f"injected {status.name}", parked=parked, restored=restored)
         assert self.kv.decode(plan)
         sampled = []
         for s in plan.slices:
             if s.logits:
                 token = next_token(self.kv.tokens(s.seq_id), self.eog_every)
                 sampled.append(Sampled(s.conv, token, self.tokenizer.piece(token), token in (EOS, IM_END)))
-        return StepResult(StepStatus.OK, tuple(sampled))
+        return StepResult(StepStatus.OK, tuple(sampled), parked=parked, restored=restored)
+
+    def read_state(self, seq_id: int) -> bytes:
+        return self.kv.read(seq_id)
+
+    def write_state(self, seq_id: int, data: bytes) -> bool:
+        return self.kv.write(seq_id, data)
 
     def request_abort(self) -> None:
         self._abort.set()

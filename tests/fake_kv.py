@@ -4,9 +4,10 @@ Each cell keeps its token, so a fake model can read a sequence back."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 
-from aiollama.step import Copy, Op, Plan, Remove
+from aiollama.step import Copy, Op, Park, Plan, Remove, Restore, Shift
 
 
 class FakeKV:
@@ -29,16 +30,49 @@ class FakeKV:
         """The tokens ``seq_id`` holds, in position order."""
         return [t for _, _, t in sorted((p, ids, t) for p, ids, t in self.cells if seq_id in ids)]
 
-    def apply(self, ops: Sequence[Op]) -> None:
+    def apply(self, ops: Sequence[Op]) -> tuple[dict[int, bytes], dict[int, bool]]:
+        """Apply KV operations; return what was parked (by key) and restored (by seq id)."""
+        parked: dict[int, bytes] = {}
+        restored: dict[int, bool] = {}
         for op in ops:
             if isinstance(op, Remove):
-                self.cells = [(p, ids - {op.seq_id} if p >= op.p0 else ids, t) for p, ids, t in self.cells]
-                self.cells = [(p, ids, t) for p, ids, t in self.cells if ids]
-            else:
-                assert isinstance(op, Copy)
+                self.remove(op.seq_id, op.p0)
+            elif isinstance(op, Copy):
                 for p, ids, _ in self.cells:
                     if op.src in ids and p < op.n:
                         ids.add(op.dst)
+            elif isinstance(op, Shift):
+                self.remove(op.seq_id, op.p0, op.p0 + op.n)
+                for p, ids, _ in self.cells:
+                    assert op.seq_id not in ids or len(ids) == 1 or p < op.p0, "a shared cell moved"
+                self.cells = [(p - op.n if op.seq_id in ids and p >= op.p0 + op.n else p, ids, t)
+                              for p, ids, t in self.cells]
+            elif isinstance(op, Park):
+                parked[op.key] = self.read(op.seq_id)
+            else:
+                assert isinstance(op, Restore)
+                restored[op.seq_id] = self.write(op.seq_id, op.data)
+        return parked, restored
+
+    def remove(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
+        def gone(p: int) -> bool:
+            return p >= p0 and (p1 is None or p < p1)
+        self.cells = [(p, ids - {seq_id} if gone(p) else ids, t) for p, ids, t in self.cells]
+        self.cells = [(p, ids, t) for p, ids, t in self.cells if ids]
+
+    def read(self, seq_id: int) -> bytes:
+        """A sequence's cells as bytes (as llama_state_seq_get_data gives them)."""
+        held = sorted((p, t) for p, ids, t in self.cells if seq_id in ids)
+        return pickle.dumps(held) if held else b""
+
+    def write(self, seq_id: int, data: bytes) -> bool:
+        """Put cells back into an emptied sequence; False (and nothing) if they do not fit."""
+        self.remove(seq_id)
+        held = pickle.loads(data)
+        if self.used + len(held) > self.n_ctx:
+            return False
+        self.cells += [(p, {seq_id}, t) for p, t in held]
+        return True
 
     def fits(self, plan: Plan) -> bool:
         return self.used + plan.n_tokens <= self.n_ctx

@@ -162,14 +162,18 @@ async def test_forks_share_the_prefix_and_continue_alone(fake: tuple[Engine, Fak
     assert engine.statistics().tokens_evaluated <= 100 + 3 + 3 * 9 + 3
 
 
-async def test_preemption_in_a_small_cache_keeps_every_answer() -> None:
-    async with engine_of(Fakes(), n_ctx=96, n_seq_max=4) as engine:
+@pytest.mark.parametrize("host_cache_bytes", [0, 1 << 20], ids=["drop", "park"])
+async def test_preemption_in_a_small_cache_keeps_every_answer(host_cache_bytes: int) -> None:
+    async with engine_of(Fakes(), n_ctx=96, n_seq_max=4, host_cache_bytes=host_cache_bytes) as engine:
         convs = [engine.conversation(prompt(i, 12)) for i in range(5)]
         outs = await gather(*(c.stream(max_tokens=24, **GREEDY) for c in convs))
         assert [o.tokens for o in outs] == [solo_tokens(prompt(i, 12), 24) for i in range(5)]
         stats = engine.statistics()
-        assert stats.kv_cells_used <= 96
-        assert stats.tokens_evaluated > 5 * (12 + 24)  # someone was preempted and evaluated again
+        assert stats.kv_cells_used <= 96 and stats.preemptions > 0
+        if host_cache_bytes:  # parked and put back: nothing was evaluated twice
+            assert stats.restores > 0 and stats.tokens_evaluated <= 5 * (12 + 23)
+        else:  # dropped and evaluated again
+            assert stats.tokens_evaluated > 5 * (12 + 23)
 
 
 async def test_a_cancel_interrupts_a_long_prefill() -> None:

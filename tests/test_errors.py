@@ -15,8 +15,7 @@ def drawn_tree() -> list[tuple[int, str]]:
     rows = []
     for line in doc.splitlines():
         match = re.match(r"^(\s*(?:[│ ]   )*)(?:[├└]── )?([A-Z]\w+)\s", line + " ")
-        if match and match.group(2).endswith(("Error", "Closed", "Full", "Dead", "Loop", "Busy", "Found",
-                                              "Directory", "Model", "Overloaded")):
+        if match and isinstance(getattr(errors, match.group(2), None), type):
             prefix = line[: line.index(match.group(2))]
             rows.append((len(prefix) // 4 - 1, match.group(2)))  # the docstring indents the root by 4
     return rows

@@ -19,7 +19,7 @@ LAYERS: dict[str, int] = {
     # base: no aiollama imports beyond each other
     "aiollama._validate": 1, "aiollama.errors": 0, "aiollama.models": 0,
     # pure: the plan, the rules, what crosses the thread boundary
-    "aiollama.sampling": 2, "aiollama.text": 2,
+    "aiollama.sampling": 2, "aiollama.text": 2, "aiollama.hostcache": 2, "aiollama.savefile": 2,
     "aiollama.step": 3,
     "aiollama.kvcache": 4, "aiollama.chat": 4, "aiollama.boundary": 4,
     "aiollama.scheduler": 5, "aiollama.outbox": 5,
@@ -30,12 +30,14 @@ LAYERS: dict[str, int] = {
     # the decode thread, which sees llama.cpp only through the Executor interface
     "aiollama.engine_core": 7, "aiollama.decode_loop": 8,
     # the callers' side
-    "aiollama.portal": 7, "aiollama.client": 9, "aiollama.conversation": 10, "aiollama.engine": 11,
+    "aiollama.portal": 7, "aiollama.stream": 8, "aiollama.client": 9, "aiollama.chat_turns": 10,
+    "aiollama.conversation": 11, "aiollama.engine": 12,
     # services: the public API only
-    "aiollama.live": 12, "aiollama.server": 13, "aiollama.cli": 14, "aiollama.__main__": 15,
+    "aiollama.live": 13, "aiollama.server": 14, "aiollama.cli": 15, "aiollama.__main__": 16,
 }
 PURE = {"aiollama.sampling", "aiollama.text", "aiollama.step", "aiollama.kvcache", "aiollama.chat",
-        "aiollama.boundary", "aiollama.scheduler", "aiollama.outbox", "aiollama.generations"}
+        "aiollama.boundary", "aiollama.scheduler", "aiollama.outbox", "aiollama.generations",
+        "aiollama.hostcache", "aiollama.savefile"}
 NO_EVENT_LOOP = PURE | {"aiollama.engine_core", "aiollama.decode_loop", "aiollama.executor", "aiollama.tokenizer", "aiollama.native",
                         "aiollama.errors", "aiollama._validate"}
 NATIVE_USERS = {"aiollama.native", "aiollama.tokenizer", "aiollama.executor"}
@@ -66,7 +68,10 @@ def imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
-            found.add(node.module)
+            for alias in node.names:  # "from aiollama import savefile" imports a module
+                sub = f"{node.module}.{alias.name}"
+                is_module = (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").exists()
+                found.add(sub if is_module else node.module)
     return found
 
 

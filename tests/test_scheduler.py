@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from aiollama.errors import ContextFull
-from aiollama.kvcache import Phase
+from aiollama.kvcache import MIN_PARK_TOKENS, Phase
 from aiollama.scheduler import MIN_PREFILL_CHUNK, Scheduler, common_prefix
 from aiollama.step import Copy, Plan, Sampled, StepResult, StepStatus
 from fake_kv import FakeKV
@@ -18,8 +18,10 @@ from fake_kv import FakeKV
 class Harness:
     """Runs the scheduler against the fake KV; every sampled token is 1000 + step."""
 
-    def __init__(self, n_ctx: int = 256, n_seq_max: int = 4, n_batch: int = 64, step_tokens: int = 32) -> None:
-        self.sched = Scheduler(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, step_tokens=step_tokens)
+    def __init__(self, n_ctx: int = 256, n_seq_max: int = 4, n_batch: int = 64, step_tokens: int = 32,
+                 max_running: int | None = None, host_bytes: int = 0) -> None:
+        self.sched = Scheduler(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, step_tokens=step_tokens,
+                               max_running=max_running, host_bytes=host_bytes)
         self.kv = FakeKV(n_ctx, n_seq_max)
         self.generated: dict[int, list[int]] = {}
         self.limit: dict[int, int] = {}
@@ -35,12 +37,12 @@ class Harness:
     def step(self) -> Plan:
         plan = self.sched.schedule()
         self.plans.append(plan)
-        self.kv.apply(plan.ops)
+        parked, restored = self.kv.apply(plan.ops)
         assert plan.n_tokens <= self.sched.n_batch
         assert self.kv.decode(plan), "the plan did not fit the KV cache"
         token = 1000 + len(self.plans)
         sampled = tuple(Sampled(s.conv, token, b"", False) for s in plan.slices if s.logits)
-        self.sched.update(plan, StepResult(StepStatus.OK, sampled))
+        self.sched.update(plan, StepResult(StepStatus.OK, sampled, parked=parked, restored=restored))
         for s in sampled:
             self.generated[s.conv].append(token)
             if len(self.generated[s.conv]) >= self.limit[s.conv]:
@@ -145,18 +147,97 @@ def test_history_longer_than_the_context_is_refused() -> None:
         h.sched.submit(1)
 
 
-def test_removing_frees_seq_ids_and_cells() -> None:
+def test_closed_conversations_leave_their_prefixes_in_the_cache() -> None:
     h = Harness()
     h.start(1, list(range(1, 30)), 3)
     h.sched.fork(1, 2)
     h.start(2, None, 3)
     h.run()
+    used = h.sched.kv.cells.used
+    history = list(h.sched.get(1).tokens)
     h.sched.remove(1)
     h.sched.remove(2)
-    plan = h.sched.schedule()
-    h.kv.apply(plan.ops)
-    assert h.sched.kv.cells.used == h.kv.used == 0
-    assert h.sched.kv.n_holders == 0
+    h.kv.apply(h.sched.take_ops())
+    assert h.sched.n_live == 0 and h.sched.kv.n_entries == 2
+    assert h.sched.kv.cells.used == h.kv.used == used  # nothing freed: it is cache now
+    assert h.sched.kv.cells_cached() == used
+    # a new conversation that starts with one of them evaluates only what is new
+    before = sum(p.n_tokens for p in h.plans)
+    h.start(3, history + [77, 78], 1)
+    h.run()
+    # the 2 new tokens, and the last one 1 sampled, which was never decoded
+    assert sum(p.n_tokens for p in h.plans) - before == 3
+
+
+def test_a_closed_prefix_another_holder_covers_is_not_kept_twice() -> None:
+    h = Harness()
+    h.start(1, list(range(1, 30)), 3)
+    h.run()
+    h.sched.fork(1, 2)
+    h.start(2, None, 3)  # shares 1's 32 tokens and adds its own
+    h.run()
+    h.sched.remove(1)  # all of it is held by 2 as well
+    h.kv.apply(h.sched.take_ops())
+    assert h.sched.kv.n_entries == 0 and h.kv.used == h.sched.kv.cells.used
+
+
+def test_the_cache_gives_cells_back_least_recently_used_first() -> None:
+    h = Harness(n_ctx=128, n_seq_max=8)
+    for conv in (1, 2, 3):
+        h.start(conv, [conv * 100 + i for i in range(30)], 2)
+        h.run()
+        h.sched.remove(conv)
+    assert h.sched.kv.n_entries == 3 and h.sched.kv.cells.used == 93  # 31 cached each
+    h.start(4, [400 + i for i in range(60)], 2)  # needs 61 cells, 35 are free
+    h.run()
+    cached = {e.tokens[0] // 100: e.n_cached for e in h.sched.kv.holders() if e.entry}
+    # the least recently used entry gave its tail first, and only as much as was needed
+    assert cached.get(3) == 31 and cached.get(1, 0) < cached.get(2, 0) <= 31
+    assert sum(31 - cached.get(k, 0) for k in (1, 2, 3)) == 61 - 35
+    assert h.kv.used == h.sched.kv.cells.used
+
+
+@pytest.mark.parametrize("host_bytes", [0, 1 << 20])
+def test_preempted_streams_are_parked_and_restored(host_bytes: int) -> None:
+    h = Harness(n_ctx=64, n_seq_max=4, step_tokens=64, host_bytes=host_bytes)
+    for conv in range(4):
+        h.start(conv, [conv * 100 + i for i in range(20)], 12)
+    h.run()
+    assert all(len(g) == 12 for g in h.generated.values())
+    assert h.sched.preemptions > 0
+    evaluated = sum(p.n_tokens for p in h.plans)
+    if host_bytes:
+        assert h.sched.kv.parks > 0 and h.sched.kv.restores > 0
+        # only a stream preempted before it had MIN_PARK_TOKENS cached is evaluated again
+        assert evaluated <= 4 * 20 + 4 * 11 + MIN_PARK_TOKENS
+    else:
+        assert evaluated > 4 * 20 + 4 * 11 + MIN_PARK_TOKENS
+
+
+def test_rewind_drops_tokens_and_cells() -> None:
+    h = Harness()
+    h.start(1, list(range(1, 30)), 5)
+    h.run()
+    h.sched.rewind(1, 20)
+    h.kv.apply(h.sched.take_ops())
+    assert h.sched.get(1).tokens == list(range(1, 21)) and h.sched.get(1).n_cached == 20 == h.kv.used
+    h.start(1, None, 2)
+    h.run()
+    assert h.sched.get(1).tokens[:20] == list(range(1, 21))
+
+
+def test_context_shift_keeps_the_first_tokens_and_moves_the_rest() -> None:
+    h = Harness(n_ctx=64, n_seq_max=2)
+    h.sched.add(1, list(range(1, 41)))
+    h.generated[1] = []
+    h.limit[1] = 60
+    h.sched.submit(1, n_keep=8)
+    h.run()
+    seq = h.sched.get(1)
+    assert seq.tokens[:8] == list(range(1, 9)) and len(seq.tokens) < 64
+    shifts = [s for p in h.plans for s in p.shifted]
+    assert shifts and all(conv == 1 and keep == 8 for conv, keep, _ in shifts)
+    assert h.kv.tokens(seq.seq_id) == seq.tokens[:seq.n_cached]  # the cells moved with the tokens
 
 
 def test_common_prefix() -> None:

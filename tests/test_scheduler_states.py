@@ -1,5 +1,13 @@
-"""A hypothesis state machine over the scheduler with a fake KV cache: random prompts, forks,
-streams, cancels, closes, forced evictions and steps keep every invariant."""
+"""A hypothesis state machine over the scheduler and its prefix cache, with a fake KV cache that keeps
+each cell's token: random prompts, forks, streams (some shifting their context), cancels, rewinds,
+closes, forced evictions and steps keep every invariant:
+
+- the cells in use never exceed the cache, and the fake cache agrees with the scheduler's count;
+- every holder (conversation or cache entry) holds exactly the tokens of its own prefix, so a
+  prefix hit never returns cells that differ from the request;
+- a step never takes cells from a running conversation it did not preempt;
+- every generation finishes.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +18,20 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from aiollama.errors import ContextFull
 from aiollama.kvcache import Phase
 from aiollama.scheduler import Scheduler
-from aiollama.step import Sampled, StepResult, StepStatus
+from aiollama.step import Plan, Sampled, StepResult, StepStatus
 from fake_kv import FakeKV
 
-N_CTX, N_SEQ_MAX, N_BATCH, STEP = 96, 3, 24, 12
+N_CTX, N_SEQ_IDS, MAX_RUNNING, N_BATCH, STEP, HOST = 96, 6, 3, 24, 12, 6000
 tokens = st.lists(st.integers(1, 50), min_size=1, max_size=30)
+SYSTEM = list(range(101, 125))  # a prefix many conversations share, so that the cache gets hits
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize()
-    def setup(self) -> None:
-        self.sched = Scheduler(n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, n_batch=N_BATCH, step_tokens=STEP)
-        self.kv = FakeKV(N_CTX, N_SEQ_MAX)
+    @initialize(host=st.sampled_from([0, HOST]))
+    def setup(self, host: int) -> None:
+        self.sched = Scheduler(n_ctx=N_CTX, n_seq_max=N_SEQ_IDS, n_batch=N_BATCH, step_tokens=STEP,
+                               max_running=MAX_RUNNING, host_bytes=host)
+        self.kv = FakeKV(N_CTX, N_SEQ_IDS)
         self.next_id = 1
         self.limits: dict[int, int] = {}  # running generations: tokens still to generate
         self.cancelled: set[int] = set()
@@ -29,9 +39,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _live(self) -> list[int]:
         return sorted(s.conv for s in self.sched.sequences())
 
-    @rule(toks=tokens)
-    def add(self, toks: list[int]) -> None:
-        self.sched.add(self.next_id, toks)
+    def _apply_ops(self) -> None:
+        parked, restored = self.kv.apply(self.sched.take_ops())
+        self.sched.update(_empty, StepResult(StepStatus.OK, parked=parked, restored=restored))
+
+    @rule(toks=tokens, shared=st.booleans())
+    def add(self, toks: list[int], shared: bool) -> None:
+        self.sched.add(self.next_id, (SYSTEM if shared else []) + toks)
         self.next_id += 1
 
     @precondition(lambda self: self.sched.n_live)
@@ -45,21 +59,23 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         parent = data.draw(st.sampled_from(self._live()))
-        self.sched.fork(parent, self.next_id)
+        n = data.draw(st.integers(0, len(self.sched.get(parent).tokens)))
+        self.sched.fork(parent, self.next_id, n)
         self.next_id += 1
 
     @precondition(lambda self: self.sched.n_live)
-    @rule(data=st.data(), n=st.integers(1, 8))
-    def stream(self, data: st.DataObject, n: int) -> None:
+    @rule(data=st.data(), n=st.one_of(st.integers(1, 8), st.integers(60, 150)), shift=st.booleans())
+    def stream(self, data: st.DataObject, n: int, shift: bool) -> None:
         conv = data.draw(st.sampled_from(self._live()))
         seq = self.sched.get(conv)
-        if seq.phase is not Phase.IDLE:
+        if seq.phase is not Phase.IDLE or not seq.tokens:
             return
         try:
-            self.sched.submit(conv)
+            self.sched.submit(conv, n_keep=4 if shift else None)
         except ContextFull:
-            assert len(seq.tokens) >= N_CTX
+            assert len(seq.tokens) >= N_CTX and not shift
             return
+        assert len(seq.tokens) < N_CTX
         self.limits[conv] = n
         self.cancelled.discard(conv)
 
@@ -73,10 +89,19 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.sched.n_live)
     @rule(data=st.data())
+    def rewind(self, data: st.DataObject) -> None:
+        conv = data.draw(st.sampled_from(self._live()))
+        seq = self.sched.get(conv)
+        if seq.phase is Phase.IDLE:
+            self.sched.rewind(conv, data.draw(st.integers(0, len(seq.tokens))))
+            self._apply_ops()
+
+    @precondition(lambda self: self.sched.n_live)
+    @rule(data=st.data())
     def close(self, data: st.DataObject) -> None:
         conv = data.draw(st.sampled_from(self._live()))
         self.sched.remove(conv)
-        self.kv.apply(self.sched.take_ops())
+        self._apply_ops()
         self.limits.pop(conv, None)
         self.cancelled.add(conv)
 
@@ -84,44 +109,57 @@ class SchedulerMachine(RuleBasedStateMachine):
     def no_kv_slot(self) -> None:
         """llama.cpp refused a batch the plan thought would fit: the scheduler frees cells by force."""
         self.sched.make_room()
-        self.kv.apply(self.sched.take_ops())
+        self._apply_ops()
 
     @rule()
     def step(self) -> None:
+        before = {s.conv: (s.seq_id, s.n_cached) for s in self.sched.sequences() if s.phase is Phase.RUNNING}
         plan = self.sched.schedule()
-        self.kv.apply(plan.ops)
+        parked, restored = self.kv.apply(plan.ops)
         assert plan.n_tokens <= N_BATCH
         assert len({s.conv for s in plan.slices}) == len(plan.slices)
+        shifted = {conv for conv, _, _ in plan.shifted}
+        for conv, (seq_id, n_cached) in before.items():
+            seq = self.sched.get(conv)
+            if seq.phase is Phase.RUNNING and seq.seq_id == seq_id and conv not in shifted:
+                assert seq.n_cached >= n_cached, "a running conversation lost cells it was not preempted for"
         for s in plan.slices:
             assert s.conv not in self.cancelled, "a cancelled generation was scheduled"
             assert s.conv in self.limits
         assert self.kv.decode(plan), "the plan did not fit the KV cache"
         sampled = tuple(Sampled(s.conv, 7, b"", False) for s in plan.slices if s.logits)
-        self.sched.update(plan, StepResult(StepStatus.OK, sampled))
+        self.sched.update(plan, StepResult(StepStatus.OK, sampled, parked=parked, restored=restored))
         for s in sampled:
             self.limits[s.conv] -= 1
             seq = self.sched.get(s.conv)
-            if self.limits[s.conv] == 0 or len(seq.tokens) >= N_CTX:
+            if self.limits[s.conv] == 0 or (len(seq.tokens) >= N_CTX and seq.n_keep is None):
                 self.sched.finish(s.conv)
                 del self.limits[s.conv]
 
     @invariant()
     def seq_ids_are_unique_and_in_range(self) -> None:
-        ids = [s.seq_id for s in self.sched.sequences() if s.seq_id is not None]
+        ids = [s.seq_id for s in self.sched.kv.holders()]
         assert len(ids) == len(set(ids))
-        assert all(0 <= i < N_SEQ_MAX for i in ids)
+        assert all(i is not None and 0 <= i < N_SEQ_IDS for i in ids)
+        assert self.sched.n_active <= MAX_RUNNING
 
     @invariant()
-    def cells_match_what_sequences_hold(self) -> None:
+    def every_holder_holds_its_own_prefix(self) -> None:
         assert self.kv.used == self.sched.kv.cells.used <= N_CTX
-        held = {s.seq_id for s in self.sched.sequences() if s.seq_id is not None}
-        for seq in self.sched.sequences():
-            if seq.seq_id is not None:
-                # positions are contiguous from 0, and the cache holds exactly the sequence's prefix
-                assert self.kv.positions(seq.seq_id) == list(range(seq.n_cached))
-                assert seq.n_cached <= len(seq.tokens)
+        held = {s.seq_id for s in self.sched.kv.holders()}
+        for seq in self.sched.kv.holders():
+            assert seq.seq_id is not None
+            # positions are contiguous from 0, and the cells hold exactly the sequence's prefix
+            assert self.kv.positions(seq.seq_id) == list(range(seq.n_cached))
+            assert self.kv.tokens(seq.seq_id) == seq.tokens[:seq.n_cached]
+            assert seq.n_cached <= len(seq.tokens)
         for _, ids, _ in self.kv.cells:
             assert ids <= held
+        assert self.sched.kv.cells_cached() <= self.sched.kv.cells.used
+
+    @invariant()
+    def host_memory_stays_within_its_budget(self) -> None:
+        assert self.sched.kv.host.used_bytes <= self.sched.kv.host.budget
 
     def teardown(self) -> None:
         # every waiting or running generation is served eventually
@@ -132,6 +170,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.limits, f"generations never finished: {self.limits}"
         assert not self.sched.busy
 
+
+_empty = Plan()
 
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

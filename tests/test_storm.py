@@ -71,6 +71,9 @@ async def test_cancellation_storm(tiny_path: Path) -> None:
         print(stats)  # shown with pytest -s
         assert stats.tokens_generated > 100 and stats.decode_steps > 10, stats  # the storm did run
         assert (stats.active, stats.queued, stats.live) == (0, 0, 0), stats
+        assert stats.kv_cells_used == stats.kv_cells_cached and stats.seq_ids_used == stats.cache_entries, stats
+        await engine.clear_cache()
+        stats = engine.statistics()
         assert stats.kv_cells_used == 0 and stats.seq_ids_used == 0, stats
         async with engine.conversation(probe) as conv:
             assert (await conv.stream(max_tokens=8, **GREEDY)).tokens == expected

@@ -264,6 +264,22 @@ class Context(Handle):
                     "(kv_unified=False) can only copy whole sequences (p0=p1=-1)")
         lib.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
 
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Add ``delta`` to the positions ``[p0, p1)`` of ``seq_id`` (negative bounds: open).
+
+        Raises InvalidRequestError when the memory cannot move positions (see ``can_shift``).
+        """
+        self._get()
+        if not self.can_shift:
+            raise InvalidRequestError("this model's memory cannot shift positions")
+        lib.llama_memory_seq_add(self._memory, self._check_seq(seq_id), p0, p1, delta)
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether positions can be moved (``seq_add``): a context shift."""
+        self._get()
+        return bool(lib.llama_memory_can_shift(self._memory))
+
     def seq_pos_min(self, seq_id: int) -> int:
         """The first cached position of ``seq_id``, or -1 if it holds nothing."""
         self._get()
@@ -280,6 +296,8 @@ class Context(Handle):
         """The KV state of one sequence, to restore later with :meth:`set_seq_state`."""
         ptr = self._get()
         self._check_seq(seq_id)
+        if lib.llama_memory_seq_pos_max(self._memory, seq_id) < 0:
+            return b""
         size = lib.llama_state_seq_get_size(ptr, seq_id)
         buf = ffi.new("uint8_t[]", size)
         n = lib.llama_state_seq_get_data(ptr, buf, size, seq_id)

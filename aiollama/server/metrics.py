@@ -25,15 +25,27 @@ class EngineCollector(Collector):
             ("queue_depth", "Generations waiting for a sequence id", s.queued),
             ("active_conversations", "Conversations generating now", s.active),
             ("live_conversations", "Conversations open (generating or not)", s.live),
-            ("kv_cells_used", "KV cache cells in use", s.kv_cells_used),
+            ("kv_cells_used", "KV cache cells in use (conversations and the prefix cache)", s.kv_cells_used),
+            ("kv_cells_cached", "KV cache cells held only by the prefix cache", s.kv_cells_cached),
             ("kv_cells_total", "KV cache cells in the context", s.kv_cells_total),
             ("seq_ids_used", "Sequence ids held", s.seq_ids_used),
+            ("cache_entries", "Prefixes of closed conversations kept in the KV cache", s.cache_entries),
+            ("host_parked", "Sequence states parked in host memory", s.parked),
+            ("host_parked_bytes", "Bytes of sequence states parked in host memory", s.parked_bytes),
         ]:
             yield GaugeMetricFamily(f"aiollama_{name}", help_text, value=value)
-        yield CounterMetricFamily("aiollama_tokens_in", "Tokens evaluated (prompts and re-evaluation)",
-                                  value=s.tokens_evaluated)
-        yield CounterMetricFamily("aiollama_tokens_out", "Tokens generated", value=s.tokens_generated)
-        yield CounterMetricFamily("aiollama_decode_steps", "Decode steps", value=s.decode_steps)
+        for name, help_text, value in [
+            ("tokens_in", "Tokens evaluated (prompts and re-evaluation)", s.tokens_evaluated),
+            ("tokens_out", "Tokens generated", s.tokens_generated),
+            ("decode_steps", "Decode steps", s.decode_steps),
+            ("cache_hit_tokens", "Prompt tokens not evaluated: shared from the KV cache or restored",
+             s.cache_hit_tokens),
+            ("parks", "Sequence states copied out to host memory", s.parks),
+            ("restores", "Sequence states put back from host memory", s.restores),
+            ("evictions", "Idle holders that gave KV cells back", s.evictions),
+            ("preemptions", "Running generations stopped to free KV cells", s.preemptions),
+        ]:
+            yield CounterMetricFamily(f"aiollama_{name}", help_text, value=value)
         if s.step_histogram:
             cumulative = list(itertools.accumulate(s.step_histogram))
             buckets = [(str(b), n) for b, n in zip(s.step_buckets, cumulative)]
