@@ -35,7 +35,7 @@ from aiollama import (
     WrongEventLoop,
 )
 from helpers import GREEDY
-from tiny_model import write_mamba_model
+from tiny_model import mamba_model
 
 pytestmark = pytest.mark.anyio
 
@@ -159,7 +159,7 @@ CASES = [
     Case("not-gguf", lambda e, m, t: _start(_not_gguf(t)), ModelLoadError, "not a GGUF file"),
     Case("truncated-gguf", lambda e, m, t: _start(_truncated(m, t)), ModelLoadError, "could not load"),
     Case("directory", lambda e, m, t: _start(t), ModelIsADirectory, "directory"),
-    Case("recurrent-model", lambda e, m, t: _start(write_mamba_model(t / "mamba.gguf", m)), UnsupportedModel,
+    Case("recurrent-model", lambda e, m, t: _start(mamba_model(m.parent, m)), UnsupportedModel,
          "recurrent or hybrid"),
     # prompts
     Case("empty-text", _prompt(""), InvalidRequestError, "must not be empty"),

@@ -172,6 +172,15 @@ def spm_model(cache: Path) -> Path:
     return path
 
 
+def mamba_model(cache: Path, tokenizer_source: Path) -> Path:
+    """The cached tiny Mamba model, written on first use."""
+    path = cache / "tiny-mamba-v1.gguf"
+    if not path.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        write_mamba_model(path, tokenizer_source)
+    return path
+
+
 def write_mamba_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_embd: int = 64) -> Path:
     """A tiny random Mamba (recurrent) model, for the engine to refuse."""
     fields = copy_tokenizer(tokenizer_source)
