@@ -172,6 +172,26 @@ async def test_n_choices_share_the_prompt(server: Server) -> None:
     assert after - before < 2 * reply.usage.prompt_tokens
 
 
+async def test_multi_turn_chat_evaluates_only_the_new_tokens(server: Server) -> None:
+    messages = [{"role": "system", "content": "You are a patient storyteller. " * 12},
+                {"role": "user", "content": "Begin a story about a lighthouse."}]
+    async with server.client() as client:
+        previous = 0
+        for turn in range(3):
+            before = await anyio.to_thread.run_sync(server.metric, "aiollama_tokens_in_total")
+            reply = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                                         temperature=0)
+            after = await anyio.to_thread.run_sync(server.metric, "aiollama_tokens_in_total")
+            usage = reply.usage
+            cached = usage.prompt_tokens_details.cached_tokens
+            if turn:  # what the previous turn evaluated is reused; only the new messages are not
+                assert cached >= previous
+                assert after - before <= usage.prompt_tokens - cached + usage.completion_tokens
+            previous = usage.prompt_tokens + usage.completion_tokens - 1
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": f"Go on ({turn})."}]
+
+
 async def test_a_disconnect_frees_the_conversation(server: Server) -> None:
     async with server.client() as client:
         stream = await client.chat.completions.create(

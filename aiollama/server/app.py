@@ -314,9 +314,13 @@ def _delta(job: _Job, i: int, text: str, finish: str | None) -> dict[str, Any]:
     return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
 
 
-def _usage(job: _Job, completion_tokens: int) -> dict[str, int]:
+def _usage(job: _Job, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens not evaluated (found in the prefix cache)."""
+    stats = job.streams[0].stats if job.streams else None
+    cached = min(stats.cached_tokens, job.prompt_tokens) if stats is not None else 0
     return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": job.prompt_tokens + completion_tokens}
+            "total_tokens": job.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _cancel_on_disconnect(request: HttpRequest, scope: anyio.CancelScope) -> None:
