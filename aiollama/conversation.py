@@ -124,8 +124,8 @@ class _ConversationBase:
                                    "end or cancel it first")
 
     def _check_settled(self, what: str) -> None:
-        self._check_idle()
-        if self._history.in_flight:
+        last = self._last_stream() if self._last_stream is not None else None
+        if (last is not None and last.running) or self._history.in_flight:
             raise ConversationBusy(f"{what} waits until the last stream has ended: read it to its end "
                                    "(or await stream.aclose()) first")
 

@@ -17,11 +17,13 @@ from typing import Any
 import anyio
 import pytest
 
+import aiollama
 from aiollama import (
     ChatTemplateError,
     ContextFull,
     ConversationBusy,
     ConversationClosed,
+    ConversationFileError,
     Engine,
     EngineClosed,
     GrammarError,
@@ -29,13 +31,14 @@ from aiollama import (
     InvalidTokenError,
     ModelIsADirectory,
     ModelLoadError,
+    ModelMismatch,
     ModelNotFound,
     Overloaded,
     UnsupportedModel,
     WrongEventLoop,
 )
 from helpers import GREEDY
-from tiny_model import mamba_model
+from tiny_model import mamba_model, spm_model
 
 pytestmark = pytest.mark.anyio
 
@@ -128,6 +131,39 @@ async def _overloaded(model: Path) -> None:
                 await stream.aclose()
 
 
+async def _busy_then(engine: Engine, tmp: Path, what: str) -> None:
+    async with engine.conversation("Busy bee") as conv:
+        stream = conv.stream(max_tokens=30, **GREEDY)
+        try:
+            if what == "rewind":
+                conv.rewind(1)
+            else:
+                await conv.save(tmp / "busy.aiollama")
+        finally:
+            await stream.aclose()
+
+
+async def _rewind_too_far(engine: Engine) -> None:
+    async with engine.conversation("Short") as conv:
+        conv.rewind(len(conv) + 1)
+
+
+async def _load_damaged(engine: Engine, tmp: Path) -> None:
+    path = tmp / "damaged.aiollama"
+    async with engine.conversation("To be saved") as conv:
+        await conv.save(path)
+    path.write_bytes(path.read_bytes()[:-40])
+    await engine.load(path)
+
+
+async def _load_foreign(engine: Engine, tmp: Path) -> None:
+    path = tmp / "foreign.aiollama"
+    async with Engine(spm_model(aiollama.cache_dir() / "test-models"), n_ctx=256) as other:
+        async with other.conversation("Hello world") as conv:
+            await conv.save(path)
+    await engine.load(path)
+
+
 async def _history_fills_context(engine: Engine) -> None:
     async with engine.conversation("word " * 1100) as conv:
         conv.prompt("word " * 1100)
@@ -196,6 +232,11 @@ CASES = [
     Case("unknown-engine-option", lambda e, m, t: Engine(m, n_seq=4), InvalidRequestError, "unknown engine option"),
     # state
     Case("second-stream", lambda e, m, t: _busy(e), ConversationBusy, "already generating"),
+    Case("rewind-while-streaming", lambda e, m, t: _busy_then(e, t, "rewind"), ConversationBusy, "rewind"),
+    Case("save-while-streaming", lambda e, m, t: _busy_then(e, t, "save"), ConversationBusy, "save"),
+    Case("rewind-too-far", lambda e, m, t: _rewind_too_far(e), InvalidRequestError, "rewind"),
+    Case("load-damaged-file", lambda e, m, t: _load_damaged(e, t), ConversationFileError, "damaged"),
+    Case("load-other-models-file", lambda e, m, t: _load_foreign(e, t), ModelMismatch, "another model"),
     Case("prompt-after-aclose", lambda e, m, t: _closed(e, lambda c: c.prompt("x")), ConversationClosed, "closed"),
     Case("fork-after-aclose", lambda e, m, t: _closed(e, lambda c: c.fork()), ConversationClosed, "closed"),
     Case("stream-after-aclose", lambda e, m, t: _closed(e, lambda c: c.stream()), ConversationClosed, "closed"),
