@@ -19,6 +19,10 @@ from aiollama.errors import InvalidRequestError
 from aiollama.sampling import SamplingParams
 
 
+# llama.cpp reserves an output row of n_vocab floats per seq id; the default spends this much on them.
+OUTPUT_ROWS_BYTES = 64 * 2**20
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """An engine's settings, checked on creation; the only place their defaults are written.
@@ -30,8 +34,9 @@ class EngineConfig:
     process may use; ``max_queued`` bounds the generations waiting for a seq id.
 
     ``cache_seq_ids`` is how many seq ids the context holds beyond ``n_seq_max``, for idle
-    conversations and cached prefixes to keep their cells under (None: ``max(32, n_seq_max)``; the
-    total is at most 256). Each id costs llama.cpp an output row of ``n_vocab`` floats.
+    conversations and cached prefixes to keep their cells under (the total is at most 256). Each id
+    costs llama.cpp an output row of ``n_vocab`` floats, so None takes as many as fit in 64 MiB of
+    them (all 256 for a 49k vocabulary, 64 for a 262k one), and at least 32.
     ``host_cache_bytes`` is the host memory that cached prefixes and preempted streams are parked in
     when the context needs their cells (0 turns it off: they are dropped and evaluated again when
     needed). ``context_shift`` is the default policy for a history that outgrows the context: False
@@ -70,10 +75,11 @@ class EngineConfig:
         if self.model_path is not None:
             object.__setattr__(self, "model_path", Path(self.model_path))
 
-    @property
-    def context_seq_ids(self) -> int:
+    def context_seq_ids(self, n_vocab: int) -> int:
         """The seq ids of the context: ``n_seq_max`` generating, the rest holding cached prefixes."""
-        extra = max(32, self.n_seq_max) if self.cache_seq_ids is None else self.cache_seq_ids
+        extra = self.cache_seq_ids
+        if extra is None:
+            extra = max(32, OUTPUT_ROWS_BYTES // (4 * max(1, n_vocab)))
         return min(MAX_SEQ, self.n_seq_max + extra)
 
     @classmethod

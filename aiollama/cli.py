@@ -66,7 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"aiollama serve needs the server extra: pip install 'aiollama[server]' ({exc})", file=sys.stderr)
         return 2
     app = create_app(args.model, model_name=args.model_name, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max,
-                     max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers)
+                     max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
+                     host_cache_bytes=args.host_cache_mib << 20)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
 
@@ -110,6 +111,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--n-ctx", type=int, default=EngineConfig.n_ctx)
     serve.add_argument("--n-seq-max", type=int, default=EngineConfig.n_seq_max)
     serve.add_argument("--max-queued", type=int, default=256)
+    serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: the CPUs this process may use)")
+    serve.add_argument("--host-cache-mib", type=int, default=EngineConfig.host_cache_bytes >> 20,
+                       help="host memory for parked KV states, MiB (0: off)")
     serve.add_argument("--n-gpu-layers", type=int, default=EngineConfig.n_gpu_layers,
                        help="layers to offload (-1: all)")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")

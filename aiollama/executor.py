@@ -86,7 +86,7 @@ class NativeExecutor:
                     f"{model_path.name} is a recurrent or hybrid model; its memory cannot drop the end "
                     "of a sequence, which this engine needs to share prefixes, preempt and cancel")
             self.ctx: Context = stack.enter_context(Context(
-                self.model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=config.context_seq_ids,
+                self.model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=config.context_seq_ids(self.model.vocab.n_tokens),
                 n_threads=config.n_threads, kv_unified=True))
             self.batch: Batch = stack.enter_context(Batch(self.ctx.n_batch))
             self._handles = stack.pop_all()

@@ -1,11 +1,6 @@
-"""Bookkeeping of KV cells and seq ids, mirroring a unified llama.cpp KV cache. Pure Python.
+"""Seq ids and the prefix cache, over the cells of a unified llama.cpp KV cache. Pure Python.
 
-In a unified cache ``seq_cp(src, dst, 0, n)`` makes ``dst`` share ``src``'s cells for positions
-``[0, n)``; a cell is freed once no sequence holds it. :class:`KVCells` models exactly that as a tree
-of spans: each sequence's cache is the path from its tail span to the root, and a span's ``refs``
-counts the sequences whose path passes through it. Since sequences that share a span hold the same
-tokens there, the tree is also a radix tree of the cached token prefixes.
-
+The cells themselves are :class:`~aiollama.kvtree.KVCells`, a radix tree of every cached prefix.
 :class:`KVManager` is the mechanism under the scheduler's policy: the pool of seq ids, which
 *holder* holds which, the cells each holds, the prefix cache, and the log of KV operations the
 executor must apply before the next decode. A conversation is the public word; a *sequence* here is
@@ -26,102 +21,12 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from aiollama.hostcache import HostCache, Parked, common_prefix
+from aiollama.hostcache import HostCache, Parked
+from aiollama.kvtree import KVCells, Span, cached
 from aiollama.step import Copy, Op, Park, Remove, Restore, Shift
 
 # A holder with fewer cells than this is not worth parking in host memory: it is dropped instead.
 MIN_PARK_TOKENS = 16
-
-
-class Span:
-    """Consecutive positions ``[start, end)`` held by the same set of sequences."""
-
-    __slots__ = ("parent", "start", "length", "refs")
-
-    def __init__(self, parent: Span | None, start: int, length: int, refs: int) -> None:
-        self.parent = parent
-        self.start = start
-        self.length = length
-        self.refs = refs
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-    def __repr__(self) -> str:
-        return f"Span([{self.start}, {self.end}) refs={self.refs})"
-
-
-def cached(tail: Span | None) -> int:
-    """How many positions a sequence with this tail holds."""
-    return 0 if tail is None else tail.end
-
-
-class KVCells:
-    """Counts the cells in use as sequences grow, share prefixes, shrink and disappear."""
-
-    def __init__(self, n_cells: int) -> None:
-        self.n_cells = n_cells
-        self.used = 0
-
-    @property
-    def free(self) -> int:
-        return self.n_cells - self.used
-
-    def extend(self, tail: Span | None, count: int) -> Span | None:
-        """A sequence appended ``count`` positions; return its new tail."""
-        if count <= 0:
-            return tail
-        self.used += count
-        if tail is not None and tail.refs == 1:
-            tail.length += count  # nobody else passes through the tail: grow it in place
-            return tail
-        return Span(tail, cached(tail), count, 1)
-
-    def _span_at(self, tail: Span, n: int) -> Span:
-        """The span on ``tail``'s path that ends exactly at ``n`` (0 < n <= tail.end), splitting one."""
-        span = tail
-        while span.start >= n:
-            assert span.parent is not None
-            span = span.parent
-        if span.end > n:
-            head = Span(span.parent, span.start, n - span.start, span.refs)
-            span.parent = head
-            span.length -= head.length
-            span.start = n
-            span = head
-        return span
-
-    def share(self, src: Span | None, n: int) -> Span | None:
-        """A new sequence shares the first ``n`` positions of ``src``'s path; return its tail."""
-        if src is None or n <= 0:
-            return None
-        if n > src.end:
-            raise ValueError(f"cannot share {n} positions of a sequence that holds {src.end}")
-        span: Span | None = self._span_at(src, n)
-        tail = span
-        while span is not None:
-            span.refs += 1
-            span = span.parent
-        return tail
-
-    def truncate(self, tail: Span | None, n: int) -> Span | None:
-        """The sequence keeps only its first ``n`` positions; return its new tail."""
-        if tail is None or n >= tail.end:
-            return tail
-        keep = self._span_at(tail, n) if n > 0 else None
-        span: Span | None = tail
-        while span is not keep:
-            assert span is not None
-            span.refs -= 1
-            if span.refs == 0:
-                self.used -= span.length
-            span = span.parent
-        return keep
-
-    def release(self, tail: Span | None) -> None:
-        """The sequence drops everything it holds."""
-        self.truncate(tail, 0)
 
 
 class Phase(enum.Enum):
@@ -181,6 +86,7 @@ class KVManager:
         self.clock = itertools.count(1)  # orders uses (LRU) and admissions (newest is preempted)
         self._free_ids = list(range(n_seq_max - 1, -1, -1))  # pop() gives the lowest id
         self._holders: dict[int, SeqState] = {}  # seq id -> sequence holding it
+        self._tails: dict[Span, set[SeqState]] = {}  # span -> holders whose path ends there
         self._ops: list[Op] = []
         self._entry_ids = itertools.count(-1, -1)
 
@@ -202,6 +108,18 @@ class KVManager:
         """KV operations decided since the last call, in order."""
         ops, self._ops = tuple(self._ops), []
         return ops
+
+    def _set_tail(self, seq: SeqState, tail: Span | None) -> None:
+        if seq.kv is tail:
+            return
+        if seq.kv is not None:
+            holders = self._tails[seq.kv]
+            holders.discard(seq)
+            if not holders:
+                del self._tails[seq.kv]
+        seq.kv = tail
+        if tail is not None:
+            self._tails.setdefault(tail, set()).add(seq)
 
     # seq ids
 
@@ -226,7 +144,7 @@ class KVManager:
             self.n_entries -= seq.entry
             self._free_ids.append(seq.seq_id)
             self._free_ids.sort(reverse=True)
-        seq.kv = None
+        self._set_tail(seq, None)
         seq.seq_id = None
         seq.restoring = False
 
@@ -236,7 +154,7 @@ class KVManager:
         """Keep only the first ``keep`` cached positions of ``seq``."""
         if seq.seq_id is not None and keep < seq.n_cached:
             self._ops.append(Remove(seq.seq_id, keep))
-            seq.kv = self.cells.truncate(seq.kv, keep)
+            self._set_tail(seq, self.cells.truncate(seq.kv, keep))
 
     def share(self, seq: SeqState, donor: SeqState, n: int) -> None:
         """``seq`` drops what it holds and shares ``donor``'s first ``n`` positions instead."""
@@ -244,37 +162,52 @@ class KVManager:
         if seq.kv is not None:
             self._ops.append(Remove(seq.seq_id))
             self.cells.release(seq.kv)
+            self._set_tail(seq, None)
         self._ops.append(Copy(donor.seq_id, seq.seq_id, n))
-        seq.kv = self.cells.share(donor.kv, n)
+        self._set_tail(seq, self.cells.share(donor.kv, n))
         donor.last_used = self.tick()
 
     def extend(self, seq: SeqState, count: int) -> None:
-        """``count`` more positions of ``seq`` were decoded into the context."""
-        seq.kv = self.cells.extend(seq.kv, count)
+        """``count`` more tokens of ``seq`` were decoded into the context."""
+        start = seq.n_cached
+        self._set_tail(seq, self.cells.extend(seq.kv, seq.tokens[start:start + count]))
 
     def resync(self, seq: SeqState, n_cached: int) -> None:
         """After an aborted or failed decode: the context holds ``n_cached`` positions of ``seq``."""
         have = seq.n_cached
         if n_cached > have:
-            seq.kv = self.cells.extend(seq.kv, n_cached - have)
+            self.extend(seq, n_cached - have)
         elif n_cached < have:
-            seq.kv = self.cells.truncate(seq.kv, n_cached)
+            self._set_tail(seq, self.cells.truncate(seq.kv, n_cached))
 
     def shift(self, seq: SeqState, keep: int, n: int) -> None:
         """Context shift: drop cached positions ``[keep, keep + n)`` and move the rest down by ``n``.
-        The caller checked that ``seq`` holds them alone."""
+        The caller checked that ``seq`` holds them alone, and drops the same tokens afterwards."""
         assert seq.seq_id is not None and unique_cells(seq) >= seq.n_cached - keep
-        moved = seq.n_cached - keep - n
+        moved = seq.tokens[keep + n:seq.n_cached]
         self._ops.append(Shift(seq.seq_id, keep, n))
-        seq.kv = self.cells.extend(self.cells.truncate(seq.kv, keep), moved)
+        self._set_tail(seq, self.cells.extend(self.cells.truncate(seq.kv, keep), moved))
 
     # the prefix cache and eviction
 
+    def find(self, tokens: Sequence[int], limit: int) -> tuple[SeqState | None, int]:
+        """A holder whose cells hold the longest cached prefix of ``tokens`` (at most ``limit``
+        long), and that prefix's length."""
+        span, n = self.cells.find(tokens, limit)
+        if span is None:
+            return None, 0
+        for below in span.below():
+            holders = self._tails.get(below)
+            if holders:
+                return next(iter(holders)), n
+        raise AssertionError("a span in use with no holder below it")
+
     def lru_idle(self, holding_cells: bool = False, any_cells: bool = False) -> SeqState | None:
-        """The least recently used idle holder (holding cells of its own, or any cells, if asked)."""
+        """The least recently used holder that is not running (idle, or waiting for admission),
+        holding cells of its own, or any cells, if asked."""
         best: SeqState | None = None
         for seq in self._holders.values():
-            if seq.phase is not Phase.IDLE:
+            if seq.phase is Phase.RUNNING:
                 continue
             if (holding_cells and unique_cells(seq) == 0) or (any_cells and seq.kv is None):
                 continue
@@ -321,11 +254,12 @@ class KVManager:
 
     def restore(self, seq: SeqState, parked: Parked, n: int) -> None:
         """Put a parked state back into ``seq`` (which holds a seq id and no cells) and keep its
-        first ``n`` positions. Its tokens can be decoded from the next step on."""
+        first ``n`` positions, which ``seq.tokens`` begins with. Its tokens can be decoded from the
+        next step on."""
         assert seq.seq_id is not None and seq.kv is None and parked.data is not None
         self.host.take(parked.key)
         self._ops.append(Restore(seq.seq_id, parked.data))
-        seq.kv = self.cells.extend(None, len(parked.tokens))
+        self._set_tail(seq, self.cells.extend(None, parked.tokens))
         self.truncate(seq, n)
         seq.restoring = True
         seq.restores += 1
@@ -335,27 +269,24 @@ class KVManager:
         """The executor put the state back (or could not: ``seq`` then holds nothing)."""
         seq.restoring = False
         if not ok:
-            seq.kv = self.cells.truncate(seq.kv, 0)
+            self._set_tail(seq, self.cells.truncate(seq.kv, 0))
 
     def retire(self, seq: SeqState) -> None:
-        """A closed conversation: what it had cached stays as a cache entry (unless some other
-        holder already holds all of it, or it holds nothing)."""
-        if seq.seq_id is None or seq.n_cached == 0:
+        """A closed conversation: what it had cached stays as a cache entry (unless another holder
+        holds all of it, or it holds nothing); entries that it holds all of go."""
+        if seq.seq_id is None or seq.kv is None or seq.kv.refs > 1:
             self.drop(seq)
             return
         seq.conv, seq.entry, seq.phase = next(self._entry_ids), True, Phase.IDLE
         self.n_entries += 1
         del seq.tokens[seq.n_cached:]
         seq.follow, seq.last_used = None, self.tick()
-        for other in list(self._holders.values()):
-            if other is seq:
-                continue
-            n = common_prefix(seq.tokens, other.tokens)
-            if n >= seq.n_cached and other.n_cached >= seq.n_cached:
-                self.drop(seq)  # another holder holds all of it
-                return
-            if other.entry and n >= other.n_cached:
-                self.drop(other)  # this one holds all of that entry
+        span: Span | None = seq.kv
+        while span is not None:
+            for other in list(self._tails.get(span, ())):
+                if other.entry and other is not seq:
+                    self.drop(other)
+            span = span.parent
 
     def clear_cache(self) -> None:
         """Drop every cache entry and every parked state."""
@@ -376,15 +307,3 @@ class KVManager:
                 n_live += span.length
                 span = span.parent
         return self.cells.used - n_live
-
-
-def best_prefix(tokens: Sequence[int], holders: Iterable[SeqState], skip: SeqState, limit: int) -> tuple[SeqState | None, int]:
-    """The holder whose cells cover the longest prefix of ``tokens`` (at most ``limit``)."""
-    best, best_n = None, 0
-    for other in holders:
-        if other is skip:
-            continue
-        n = min(common_prefix(tokens, other.tokens), limit, other.n_cached)
-        if n > best_n:
-            best, best_n = other, n
-    return best, best_n

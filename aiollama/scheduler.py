@@ -36,8 +36,9 @@ from collections import deque
 from collections.abc import Iterable
 
 from aiollama.errors import ContextFull, InvalidRequestError
-from aiollama.hostcache import HostCache, common_prefix
-from aiollama.kvcache import MIN_PARK_TOKENS, KVManager, Phase, SeqState, best_prefix, unique_cells
+from aiollama.hostcache import HostCache
+from aiollama.kvcache import MIN_PARK_TOKENS, KVManager, Phase, SeqState, unique_cells
+from aiollama.kvtree import common_prefix
 from aiollama.step import Op, Plan, Slice, StepResult, StepStatus
 
 # Sharing a prefix that is still being prefilled is worth waiting for only if it saves this much.
@@ -229,7 +230,7 @@ class Scheduler:
         while self._waiting and len(self._running) < self.max_running:
             seq = self._waiting[0]
             if self._running:
-                _, shared = best_prefix(seq.tokens, self.kv.holders(), seq, len(seq.tokens) - 1)
+                _, shared = self.kv.find(seq.tokens, len(seq.tokens) - 1)
                 if not self.kv.free_cells(len(seq.tokens) - max(shared, seq.n_cached) + len(self._running)):
                     return  # admitted now, it would only be preempted again
             if seq.seq_id is None and not self.kv.assign(seq):
@@ -251,7 +252,7 @@ class Scheduler:
         """Share the longest cached prefix, restore a parked one, or arrange to wait for a longer
         one being prefilled."""
         limit = len(seq.tokens) - 1  # at least one token must be evaluated for logits
-        best, best_n = best_prefix(seq.tokens, self.kv.holders(), seq, limit)
+        best, best_n = self.kv.find(seq.tokens, limit)
         best_n = max(best_n, seq.n_cached)
         parked, parked_n = self.kv.host.best(seq.tokens, limit)
         if parked is not None and parked_n - best_n >= max(MIN_RESTORE_GAIN, len(parked.tokens) // 2) \
@@ -260,7 +261,7 @@ class Scheduler:
                 self.kv.truncate(seq, 0)
             self.kv.restore(seq, parked, parked_n)
             return
-        if best is not None and best_n > seq.n_cached:
+        if best is not None and best is not seq and best_n > seq.n_cached:
             self.kv.share(seq, best, best_n)
         lead, lead_n = None, 0
         for other in self._running:
@@ -342,6 +343,7 @@ class Scheduler:
             return sum(len(s.tokens) for s in slices)
 
         self.kv.free_cells(need())
+        starved = False
         while need() > self.kv.free:
             prompt_slices = [i for i, s in enumerate(slices) if len(s.tokens) > 1 or not s.logits]
             if not prompt_slices:
@@ -351,12 +353,16 @@ class Scheduler:
             keep = len(s.tokens) - (need() - self.kv.free)
             if keep <= 0:
                 del slices[i]
+                starved = True
             else:
                 slices[i] = Slice(s.conv, s.seq_id, s.pos, s.tokens[:keep], False)
         while need() > self.kv.free and self._running:
             newest = max(self._running, key=lambda s: s.started)
             slices = [s for s in slices if s.conv != newest.conv]
             self._preempt(newest)
+        if starved and not slices and len(self._running) > 1:
+            # not even a prompt chunk fits: the newest stream gives way, so the others progress
+            self._preempt(max(self._running, key=lambda s: s.started))
         return slices
 
     def _preempt(self, seq: SeqState) -> None:

@@ -224,8 +224,9 @@ async def test_cancel_interrupts_a_long_prefill(tiny_path: Path) -> None:
         assert stats.kv_cells_used < len(prompt)  # the interrupted ubatch was rolled back
         other = await engine.conversation("still serving").stream(max_tokens=3, **GREEDY)
         assert len(other.tokens) == 3
-        await conv.aclose()
-        assert engine.statistics().kv_cells_used <= len(engine.tokenize("still serving")) + 3
+        await conv.aclose()  # what its finished ubatches hold stays as cache; the rest is the other's
+        stats = engine.statistics()
+        assert stats.kv_cells_used - stats.kv_cells_cached <= len(engine.tokenize("still serving")) + 3
 
 
 async def test_aclose_leaves_the_prefix_in_the_cache_and_clear_cache_frees_it(engine: Engine) -> None:
