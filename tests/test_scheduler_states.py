@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from aiollama.errors import ContextFull
 from aiollama.kvcache import Phase
+from aiollama.kvtree import common_prefix
 from aiollama.scheduler import Scheduler
 from aiollama.step import Plan, Sampled, StepResult, StepStatus
 from fake_kv import FakeKV
@@ -156,6 +157,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _, ids, _ in self.kv.cells:
             assert ids <= held
         assert self.sched.kv.cells_cached() <= self.sched.kv.cells.used
+
+    @invariant()
+    def the_radix_tree_finds_the_longest_cached_prefix(self) -> None:
+        holders = list(self.sched.kv.holders())
+        for probe in [h.tokens for h in holders] + [s.tokens + [9] for s in self.sched.sequences()]:
+            expected = max((min(common_prefix(probe, h.tokens), h.n_cached) for h in holders), default=0)
+            donor, n = self.sched.kv.find(probe, len(probe))
+            assert n == expected
+            if n:
+                assert donor is not None and donor.n_cached >= n and donor.tokens[:n] == probe[:n]
 
     @invariant()
     def host_memory_stays_within_its_budget(self) -> None:
