@@ -154,19 +154,20 @@ class KVCells:
 
     def find(self, tokens: Sequence[int], limit: int) -> tuple[Span | None, int]:
         """The span where the longest cached prefix of ``tokens`` (at most ``limit`` long) ends, and
-        that prefix's length. Every sequence whose path passes through that span holds it."""
-        level, pos = self.roots, 0
+        that prefix's length. Every sequence whose path passes through that span holds it.
+
+        Spans of one level rarely share a first token (only cells computed apart, not shared); when
+        they do, each is followed."""
         found: tuple[Span | None, int] = (None, 0)
-        while pos < limit:
-            best, best_m = None, 0
+        stack: list[tuple[dict[int, list[Span]], int]] = [(self.roots, 0)]
+        while stack:
+            level, pos = stack.pop()
+            if pos >= limit:
+                continue
             for span in level.get(tokens[pos], ()):
                 m = common_prefix(span.tokens, tokens[pos:pos + span.length])
-                if m > best_m:
-                    best, best_m = span, m
-            if best is None:
-                break
-            found = (best, min(pos + best_m, limit))
-            if best_m < best.length:
-                break
-            pos, level = pos + best_m, best.children
+                if m and min(pos + m, limit) > found[1]:
+                    found = (span, min(pos + m, limit))
+                if m == span.length:
+                    stack.append((span.children, pos + m))
         return found
