@@ -124,6 +124,16 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the ``top`` most likely tokens at its place, as
+    (token, log-probability), most likely first (from the whole row, before any truncation)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     """One step's output for one stream.
 
@@ -140,6 +150,7 @@ class Delta:
     history: tuple[int, ...] = ()
     dropped: tuple[int, int] | None = None
     stats: GenerationStats | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -205,9 +216,12 @@ class Fork:
 
 @dataclass(frozen=True)
 class Generate:
+    """Start generating; ``matcher`` is the compiled constraint (llguidance), if any."""
+
     conv: int
     params: SamplingParams
     sink: Sink
+    matcher: Any = None
 
 
 @dataclass(frozen=True)

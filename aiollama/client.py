@@ -11,11 +11,13 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from aiollama import constraints
 from aiollama.boundary import Admission, Command, EngineConfig, Portal, Statistics
 from aiollama.chat import ChatTemplate, Segment, chat_tokens
 from aiollama.decode_loop import DecodeLoop
 from aiollama.errors import ChatTemplateError, EngineClosed, EngineDead, InvalidRequestError, WrongEventLoop
 from aiollama.portal import current_portal
+from aiollama.sampling import SamplingParams
 from aiollama.step import Executor, Tokenizer
 
 
@@ -125,6 +127,11 @@ class EngineClient:
             raise InvalidRequestError(f"a prompt is text or a sequence of token ids, got {type(content).__name__}")
         tokenizer = self.tokenizer
         return [tokenizer.check_token(t) for t in content]
+
+    def constraint(self, params: SamplingParams) -> Any:
+        """The compiled constraint (an llguidance matcher) ``params`` ask for, or None. Raises
+        GrammarError if it does not compile: a stream never runs unconstrained by mistake."""
+        return constraints.compile_for(params, self.tokenizer.guidance)
 
     # chat
 

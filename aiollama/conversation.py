@@ -179,13 +179,14 @@ class _ConversationBase:
         self._check()
         sampling = SamplingParams.from_kwargs(**params)
         self._check_idle()
+        matcher = self._core.constraint(sampling)
         admission = self._core.admission
         if not admission.enter():
             raise Overloaded(f"{admission.limit} generations are already waiting (max_queued); retry later")
         start = len(self)
         self._history.generating()  # before the command: its answer may come at once (SyncEngine)
         try:
-            self._core.send(Generate(self.id, sampling, sink))
+            self._core.send(Generate(self.id, sampling, sink, matcher))
         except BaseException:
             admission.leave()
             self._history.not_generating()

@@ -157,7 +157,7 @@ class EngineCore:
             params = command.params
             shifts = self.config.context_shift if params.context_shift is None else params.context_shift
             n_keep = self.config.n_keep if params.n_keep is None else params.n_keep
-            self.executor.start_sampling(conv, params, self.scheduler.get(conv).tokens)
+            self.executor.start_sampling(conv, params, self.scheduler.get(conv).tokens, command.matcher)
             try:
                 dropped = self.scheduler.submit(conv, n_keep if shifts else None)
             except BaseException:

@@ -13,9 +13,14 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from aiollama.boundary import EngineConfig
+from aiollama.constraints import Masks
 from aiollama.errors import DecodeError, StateRestoreError, UnsupportedModel
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab
 from aiollama.native.sampler import DEFAULT_SEED
@@ -70,6 +75,31 @@ def fingerprint(model: Model) -> dict[str, str | int]:
             "vocab_sha256": texts.hexdigest(), "kv": "f16,unified"}
 
 
+@dataclass(eq=False)
+class _Sampler:
+    """How one stream chooses its tokens: its chain, and what needs the logits row first."""
+
+    chain: SamplerChain
+    matcher: Any = None  # an llguidance matcher: the stream's constraint
+    top_logprobs: int = -1  # -1: no log-probabilities wanted
+
+    @property
+    def reads_row(self) -> bool:
+        return self.matcher is not None or self.top_logprobs >= 0
+
+
+def logprobs_of(logits: np.ndarray, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log of the row's partition function, and its ``k`` most likely tokens with their
+    log-probabilities, most likely first."""
+    peak = float(logits.max())
+    lse = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
+    if k <= 0:
+        return lse, []
+    top = np.argpartition(logits, -k)[-k:]
+    top = top[np.argsort(-logits[top], kind="stable")]
+    return lse, [(int(t), float(logits[t]) - lse) for t in top]
+
+
 class NativeExecutor:
     """:class:`~aiollama.step.Executor` over llama.cpp. Build it on the thread that will use it.
 
@@ -95,15 +125,18 @@ class NativeExecutor:
         self.n_ctx, self.n_seq_max, self.n_batch = self.ctx.n_ctx, self.ctx.n_seq_max, self.ctx.n_batch
         self.can_shift = self.ctx.can_shift
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model)
-        self._chains: dict[int, SamplerChain] = {}
+        self._samplers: dict[int, _Sampler] = {}
+        self._masks: Masks | None = None
 
-    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int]) -> None:
-        self._chains[conv] = build_chain(self.vocab, params, history)
+    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
+                       matcher: Any = None) -> None:
+        top = params.top_logprobs if params.logprobs else -1
+        self._samplers[conv] = _Sampler(build_chain(self.vocab, params, history), matcher, top)
 
     def stop_sampling(self, conv: int) -> None:
-        chain = self._chains.pop(conv, None)
-        if chain is not None:
-            chain.close()
+        sampler = self._samplers.pop(conv, None)
+        if sampler is not None:
+            sampler.chain.close()
 
     def execute(self, plan: Plan) -> StepResult:
         parked, restored = self._apply(plan.ops)
@@ -125,8 +158,8 @@ class NativeExecutor:
             self.ctx.clear_abort()
         elapsed = time.perf_counter() - start
         if status is DecodeStatus.OK:
-            return StepResult(StepStatus.OK, tuple(self._sample(conv, row) for conv, row in outputs),
-                              decode_seconds=elapsed, parked=parked, restored=restored)
+            return StepResult(StepStatus.OK, self._sample(outputs), decode_seconds=elapsed, parked=parked,
+                              restored=restored)
         if status is DecodeStatus.NO_KV_SLOT:
             return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, parked=parked, restored=restored)
         # ABORTED and failures keep the ubatches computed before them: say what the context holds
@@ -169,15 +202,43 @@ class NativeExecutor:
             return False  # llama.cpp left the sequence empty
         return True
 
-    def _sample(self, conv: int, row: int) -> Sampled:
-        token = self._chains[conv].sample(self.ctx, row)
-        return Sampled(conv, token, self.vocab.token_to_piece(token), self.vocab.is_eog(token))
+    def _sample(self, outputs: list[tuple[int, int]]) -> tuple[Sampled, ...]:
+        """Choose each row's token; constrained rows get their masks first, all computed at once."""
+        matchers = [self._samplers[conv].matcher for conv, _ in outputs if self._samplers[conv].matcher is not None]
+        bits = None
+        if matchers:
+            if self._masks is None:
+                self._masks = Masks(self.vocab.n_tokens)
+            bits = iter(self._masks.fill(matchers))
+        return tuple(self._sample_row(conv, row, bits) for conv, row in outputs)
+
+    def _sample_row(self, conv: int, row: int, bits: Any) -> Sampled:
+        sampler = self._samplers[conv]
+        lse, top = 0.0, list[tuple[int, float]]()
+        logits = None
+        if sampler.reads_row:
+            logits = np.frombuffer(self.ctx.logits_buffer(row), dtype=np.float32)
+            if sampler.top_logprobs >= 0:
+                lse, top = logprobs_of(logits, sampler.top_logprobs)
+            if sampler.matcher is not None:
+                assert self._masks is not None
+                self._masks.apply(logits, next(bits))
+        token = sampler.chain.sample(self.ctx, row)
+        final = False
+        if sampler.matcher is not None:
+            sampler.matcher.consume_token(token)
+            final = sampler.matcher.is_stopped()
+        logprob = None
+        if logits is not None and sampler.top_logprobs >= 0:
+            logprob = float(logits[token]) - lse  # a token the mask allowed kept its logit
+        return Sampled(conv, token, self.vocab.token_to_piece(token), self.vocab.is_eog(token), final,
+                       logprob, tuple(top))
 
     def request_abort(self) -> None:
         self.ctx.request_abort()
 
     def close(self) -> None:
-        for chain in self._chains.values():
-            chain.close()
-        self._chains.clear()
+        for sampler in self._samplers.values():
+            sampler.chain.close()
+        self._samplers.clear()
         self._handles.close()  # batch, context, model: the reverse of their creation

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from aiollama.boundary import Admission, Delta, FinishReason, GenerationStats, Portal, Sink
+from aiollama.boundary import Admission, Delta, FinishReason, GenerationStats, Portal, Sink, TokenLogprob
 from aiollama.kvcache import SeqState
 from aiollama.outbox import Outbox
 from aiollama.sampling import SamplingParams
@@ -108,14 +108,19 @@ class Generations:
     def _next(self, gen: Generation, sampled: Sampled, history_len: int) -> Delta:
         gen.n_generated += 1
         token = (sampled.token,)
-        if sampled.eog and not gen.params.ignore_eos:
+        logprobs = () if sampled.logprob is None else \
+            (TokenLogprob(sampled.token, sampled.logprob, sampled.top_logprobs),)
+        if sampled.eog and (sampled.final or not gen.params.ignore_eos):
             return Delta(gen.text.finish(), (), FinishReason.EOG, history=token)
         text = gen.text.feed(sampled.piece)
         if gen.text.stopped:
-            return Delta(text, token, FinishReason.STOP, history=token)
-        if gen.n_generated >= gen.params.max_tokens or (history_len >= self.n_ctx and not gen.shifts):
-            return Delta(text + gen.text.finish(), token, FinishReason.LENGTH, history=token)
-        return Delta(text, token, history=token)
+            return Delta(text, token, FinishReason.STOP, history=token, logprobs=logprobs)
+        if sampled.final:  # the constraint is complete
+            return Delta(text + gen.text.finish(), token, FinishReason.EOG, history=token, logprobs=logprobs)
+        limit = gen.params.max_tokens
+        if (limit is not None and gen.n_generated >= limit) or (history_len >= self.n_ctx and not gen.shifts):
+            return Delta(text + gen.text.finish(), token, FinishReason.LENGTH, history=token, logprobs=logprobs)
+        return Delta(text, token, history=token, logprobs=logprobs)
 
     def end(self, conv: int, reason: FinishReason | None = None, error: BaseException | None = None,
             stats: GenerationStats | None = None) -> list[tuple[int, ...]]:

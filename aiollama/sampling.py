@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -9,6 +10,9 @@ from typing import Any
 
 from aiollama._validate import SEED_MAX, integer, number
 from aiollama.errors import InvalidRequestError
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 
 def seed_for(seed: int, index: int) -> int:
@@ -25,14 +29,23 @@ def wrap_seed(seed: int) -> int:
 class SamplingParams:
     """How one stream chooses its tokens.
 
+    ``max_tokens`` None generates until the model ends its turn or the context is full.
     ``temperature`` 0 means greedy. The penalties look at the last ``penalty_last_n`` tokens of the
-    conversation, prompt included. ``seed`` None picks a random seed. ``grammar`` is GBNF text.
-    ``stop`` strings end the stream and are never emitted. ``context_shift`` and ``n_keep`` choose
-    what happens when the history outgrows the context (None: the engine's setting). Every field is
-    checked on creation and a bad one raises ``InvalidRequestError`` (a ``ValueError``) naming it.
+    conversation, prompt included. ``seed`` None picks a random seed. ``stop`` strings end the stream
+    and are never emitted. ``context_shift`` and ``n_keep`` choose what happens when the history
+    outgrows the context (None: the engine's setting).
+
+    Constraints (at most one): ``grammar`` is GBNF text; ``json_schema`` a JSON schema (a dict, its
+    JSON text, or a class with ``model_json_schema()``, such as a Pydantic model); ``regex`` a regular
+    expression; ``lark`` a Lark grammar (llguidance's dialect). A constrained stream ends when the
+    text is complete (or with ``length``). ``logprobs`` puts each token's log-probability on the
+    chunks, with its ``top_logprobs`` most likely alternatives.
+
+    Every field is checked on creation and a bad one raises ``InvalidRequestError`` (a
+    ``ValueError``) naming it.
     """
 
-    max_tokens: int = 256
+    max_tokens: int | None = 256
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
@@ -49,9 +62,15 @@ class SamplingParams:
     ignore_eos: bool = False
     context_shift: bool | None = None
     n_keep: int | None = None
+    json_schema: Any = None
+    regex: str | None = None
+    lark: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
-        integer("max_tokens", self.max_tokens, low=1, high=2**31 - 1)
+        if self.max_tokens is not None:
+            integer("max_tokens", self.max_tokens, low=1, high=2**31 - 1)
         number("temperature", self.temperature, low=0.0)
         integer("top_k", self.top_k, low=0, high=2**31 - 1)
         number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
@@ -84,6 +103,41 @@ class SamplingParams:
             raise InvalidRequestError(f"context_shift must be a bool or None, got {self.context_shift!r}")
         if self.n_keep is not None:
             integer("n_keep", self.n_keep, low=0)
+        self._check_constraint()
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequestError(f"logprobs must be a bool, got {self.logprobs!r}")
+        integer("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=True")
+
+    def _check_constraint(self) -> None:
+        given = [name for name in ("grammar", "json_schema", "regex", "lark") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise InvalidRequestError(f"give at most one constraint, got {', '.join(given)}")
+        for name in ("regex", "lark"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
+        schema = self.json_schema
+        if schema is None:
+            return
+        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+            schema = schema.model_json_schema()  # a Pydantic model class
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidRequestError(f"json_schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, Mapping) and not isinstance(schema, bool):
+            raise InvalidRequestError(f"json_schema must be a JSON object (a dict, its text or a Pydantic model), "
+                                      f"got {type(self.json_schema).__name__}")
+        object.__setattr__(self, "json_schema", json.dumps(schema))  # one form from here on: JSON text
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the tokens must follow a grammar, a schema, a regex or a Lark grammar."""
+        return self.grammar is not None or self.json_schema is not None or self.regex is not None \
+            or self.lark is not None
 
     @property
     def greedy(self) -> bool:

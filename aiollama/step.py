@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiollama.sampling import SamplingParams
 
@@ -107,12 +107,18 @@ class StepStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class Sampled:
-    """The token chosen for ``conv``, its bytes, and whether it ends generation."""
+    """The token chosen for ``conv``, its bytes, and whether it ends generation (``eog``: an
+    end-of-generation token; ``final``: the stream's constraint is complete, nothing may follow).
+    With logprobs asked for: its log-probability and the most likely alternatives, as (token,
+    log-probability), most likely first."""
 
     conv: int
     token: int
     piece: bytes
     eog: bool
+    final: bool = False
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,10 @@ class Tokenizer(Protocol):
 
     def chat_template(self) -> str | None: ...
 
+    def guidance(self) -> Any:
+        """The vocabulary as llguidance's ``LLTokenizer`` (for constrained generation)."""
+        ...
+
     def builtin_chat(self, messages: list[dict[str, str]], template: str, add_assistant: bool) -> str:
         """Render with llama.cpp's built-in templates; InvalidRequestError if it is not one."""
         ...
@@ -184,8 +194,10 @@ class Executor(Protocol):
     n_batch: int
     tokenizer: Tokenizer
 
-    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int]) -> None:
-        """Prepare ``conv``'s sampler; raises an AiollamaError (GrammarError...) for bad params."""
+    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
+                       matcher: Any = None) -> None:
+        """Prepare ``conv``'s sampler (with an llguidance matcher for a constraint); raises an
+        AiollamaError (GrammarError...) for bad params."""
         ...
 
     def stop_sampling(self, conv: int) -> None: ...

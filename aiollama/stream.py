@@ -14,19 +14,21 @@ from typing import Any
 
 import anyio
 
-from aiollama.boundary import Delta, FinishReason, GenerationStats, Item
+from aiollama.boundary import Delta, FinishReason, GenerationStats, Item, TokenLogprob
 from aiollama.portal import AsyncSink, ThreadSink
 
 
 @dataclass(frozen=True)
 class Chunk:
     """Text and tokens generated in one step. ``text`` never holds a broken UTF-8 character. The
-    last chunk has the ``finish_reason`` and the generation's ``stats``."""
+    last chunk has the ``finish_reason`` and the generation's ``stats``; with ``logprobs=True``,
+    ``logprobs`` has one entry per token."""
 
     text: str
     tokens: list[int]
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Completion:
     tokens: list[int]
     finish_reason: FinishReason
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class TokenHistory:
@@ -138,6 +141,7 @@ class Collector:
     tokens: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def take(self, item: Item) -> Chunk | None:
         """Record a delta; return the chunk to hand out, or None when there is nothing to show."""
@@ -148,11 +152,12 @@ class Collector:
             raise delta.error
         self.parts.append(delta.text)
         self.tokens.extend(delta.tokens)
+        self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             self.finish_reason, self.stats = delta.finish_reason, delta.stats
         if not delta.text and not delta.tokens:
             return None  # the end, or a context shift: nothing to show
-        return Chunk(delta.text, list(delta.tokens), delta.finish_reason, delta.stats)
+        return Chunk(delta.text, list(delta.tokens), delta.finish_reason, delta.stats, list(delta.logprobs))
 
     @property
     def done(self) -> bool:
@@ -163,7 +168,8 @@ class Collector:
         return "".join(self.parts)
 
     def completion(self) -> Completion:
-        return Completion(self.text, list(self.tokens), self.finish_reason or FinishReason.CANCELLED, self.stats)
+        return Completion(self.text, list(self.tokens), self.finish_reason or FinishReason.CANCELLED, self.stats,
+                          list(self.logprobs))
 
 
 class StreamBase:

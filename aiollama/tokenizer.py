@@ -9,8 +9,11 @@ every call pins the native model for its duration; once the model is gone a call
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
+from aiollama import constraints
 from aiollama.errors import ClosedError, EngineClosed
 from aiollama.native import Vocab
 from aiollama.native.binding import lib
@@ -26,6 +29,8 @@ class VocabTokenizer:
         self.bos, self.eos, self.eot = vocab.bos, vocab.eos, vocab.eot
         self.add_bos = vocab.add_bos
         self._specials: list[SpecialToken] | None = None
+        self._guidance: Any = None
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def _pinned(self) -> Iterator[Vocab]:
@@ -64,6 +69,22 @@ class VocabTokenizer:
                              rstrip=bool(attr & lib.LLAMA_TOKEN_ATTR_RSTRIP))
                 for token, text, attr in found]
         return self._specials
+
+    def guidance(self) -> Any:
+        """The vocabulary for llguidance (built on first use: a pass over every token)."""
+        with self._lock:
+            if self._guidance is None:
+                with self._pinned() as vocab:
+                    control = lib.LLAMA_TOKEN_ATTR_CONTROL
+                    special = {t for t, text, attr in vocab.special_tokens()
+                               if attr & control or (text.startswith("<") and text.endswith(">"))}
+                    pieces = [(constraints.SPECIAL if t in special else b"") + vocab.token_to_piece(t, special=True)
+                              for t in range(vocab.n_tokens)]
+                    eog = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)] or [vocab.eos]
+                self._guidance = constraints.make_tokenizer(
+                    pieces, eog=eog, bos=vocab.bos if vocab.bos >= 0 else None, special=sorted(special),
+                    encode=lambda text: self.tokenize(text, add_special=False, special=False))
+            return self._guidance
 
     def chat_template(self) -> str | None:
         with self._pinned() as vocab:

@@ -229,6 +229,13 @@ class Context(Handle):
             raise InvalidOutputError(f"batch row {idx} has no logits from the last decode (rows with logits: {shown})")
         return idx
 
+    def logits_buffer(self, idx: int) -> Any:
+        """The logits of batch row ``idx`` of the last decode, in place (a writable buffer of
+        ``n_vocab`` floats; valid until the next decode). A sampler run afterwards sees changes."""
+        ptr = self._get()
+        self.check_output(idx)
+        return ffi.buffer(lib.llama_get_logits_ith(ptr, idx), 4 * self.n_vocab)
+
     def logits(self, idx: int) -> list[float]:
         """A copy of the logits of batch row ``idx`` of the last decode."""
         ptr = self._get()

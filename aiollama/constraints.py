@@ -1,0 +1,117 @@
+"""Constrained generation with llguidance: JSON schemas, regular expressions and Lark grammars.
+
+A constraint is compiled into an ``LLMatcher`` on the caller's thread, at ``stream()``: a schema or
+grammar that does not compile raises ``GrammarError`` there, so a stream never runs unconstrained
+by mistake. The decode thread asks the matcher for the mask of allowed tokens each step (llguidance
+computes the masks of many streams in parallel, without the GIL), sets the others' logits to -inf
+before the sampler chain runs, and feeds it the chosen token. When the text is complete, only an
+end-of-generation token is allowed, and the stream ends.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import llguidance
+import numpy as np
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+from aiollama.errors import GrammarError
+from aiollama.sampling import SamplingParams
+
+SPECIAL = b"\xff"  # how llguidance tells a special token's bytes from text
+
+
+class _Vocabulary:
+    """What llguidance's TokenizerWrapper reads: every token's bytes, the EOS and BOS ids, and a
+    function that tokenizes text."""
+
+    def __init__(self, pieces: Sequence[bytes], eos: int, bos: int | None, special: Sequence[int],
+                 encode: Callable[[str], list[int]]) -> None:
+        self.tokens = list(pieces)
+        self.eos_token_id = eos
+        self.bos_token_id = bos
+        self.special_token_ids = list(special)
+        self._encode = encode
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return self._encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+
+
+def make_tokenizer(pieces: Sequence[bytes], *, eog: Sequence[int], bos: int | None, special: Sequence[int],
+                   encode: Callable[[str], list[int]]) -> LLTokenizer:
+    """An llguidance tokenizer over a vocabulary: ``pieces[i]`` is token i's bytes (special tokens
+    prefixed with b"\\xff"), ``eog`` the tokens that end a generation."""
+    wrapper = llguidance.TokenizerWrapper(_Vocabulary(pieces, eog[0], bos, special, encode))
+    return LLTokenizer(wrapper, n_vocab=len(pieces), eos_token=list(eog))
+
+
+# Compact JSON, one space after separators: no whitespace for a small model to loop in.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` wherever an object lists its properties and
+    says nothing about others: the output has exactly the fields asked for (as OpenAI's strict
+    structured outputs, and Pydantic models, mean)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def grammar_of(params: SamplingParams) -> str | None:
+    """The llguidance grammar for the stream's constraint (None: unconstrained, or GBNF, which
+    llama.cpp's own grammar sampler applies)."""
+    try:
+        if params.json_schema is not None:
+            schema = closed(json.loads(params.json_schema))
+            return str(LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))  # type: ignore[arg-type]
+        if params.regex is not None:
+            return str(LLMatcher.grammar_from_regex(params.regex))
+        if params.lark is not None:
+            return str(LLMatcher.grammar_from_lark(params.lark))
+    except ValueError as exc:
+        raise GrammarError(f"the constraint does not compile: {exc}") from None
+    return None
+
+
+def matcher(tokenizer: LLTokenizer, grammar: str) -> LLMatcher:
+    """A matcher at the start of ``grammar``. Raises GrammarError if it does not compile."""
+    m = LLMatcher(tokenizer, grammar, log_level=0)
+    if m.is_error():
+        raise GrammarError(f"the constraint does not compile: {m.get_error()}")
+    return m
+
+
+def compile_for(params: SamplingParams, tokenizer: Callable[[], LLTokenizer]) -> LLMatcher | None:
+    """The matcher a stream's parameters ask for, or None."""
+    grammar = grammar_of(params)
+    return None if grammar is None else matcher(tokenizer(), grammar)
+
+
+class Masks:
+    """Fills the masks of a step's constrained rows at once, and applies them to logits rows."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+        self._executor = LLExecutor()
+        self._words = (n_vocab + 31) // 32
+
+    def fill(self, matchers: Sequence[Any]) -> np.ndarray:
+        """One row of allowed-token bits per matcher (computed in parallel, without the GIL)."""
+        bits = np.full((len(matchers), self._words), -1, dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.ctypes.data,
+                                               self._words * 4, len(matchers))
+        return bits
+
+    def apply(self, logits: np.ndarray, bits: np.ndarray) -> None:
+        """Set the logits of the tokens ``bits`` does not allow to -inf."""
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.n_vocab].view(bool)
+        logits[~allowed] = -np.inf
