@@ -131,7 +131,7 @@ class EngineClient:
     def constraint(self, params: SamplingParams) -> Any:
         """The compiled constraint (an llguidance matcher) ``params`` ask for, or None. Raises
         GrammarError if it does not compile: a stream never runs unconstrained by mistake."""
-        return constraints.compile_for(params, self.tokenizer.guidance)
+        return constraints.compile_for(params, lambda: self.tokenizer.guidance())
 
     # chat
 

@@ -66,6 +66,13 @@ class ByteTokenizer:
     def chat_template(self) -> str | None:
         return CHATML
 
+    def guidance(self) -> object:
+        from aiollama import constraints
+
+        pieces = [(constraints.SPECIAL if t >= 256 else b"") + self.piece(t) for t in range(self.n_vocab)]
+        return constraints.make_tokenizer(pieces, eog=[EOS, IM_END], bos=BOS, special=list(SPECIALS),
+                                          encode=lambda text: self.tokenize(text, add_special=False, special=False))
+
     def builtin_chat(self, messages: list[dict[str, str]], template: str, add_assistant: bool) -> str:
         raise InvalidRequestError("the fake tokenizer has no built-in templates")
 
@@ -106,16 +113,34 @@ class FakeExecutor:
         self.prefilling = threading.Event()
         self.plans: list[Plan] = []
         self.sampling: dict[int, SamplingParams] = {}
+        self.matchers: dict[int, object] = {}
         self.closed = False
         self._abort = threading.Event()
 
-    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int]) -> None:
+    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
+                       matcher: object = None) -> None:
         if params.grammar is not None:
-            raise GrammarError("the fake executor has no grammars")
+            raise GrammarError("the fake executor has no GBNF grammars")
         self.sampling[conv] = params
+        if matcher is not None:
+            self.matchers[conv] = matcher
+
+    def _choose(self, conv: int, history: list[int]) -> tuple[int, bool]:
+        """The fake model's token, or under a constraint the first token it allows if not that one."""
+        token = next_token(history, self.eog_every)
+        matcher = self.matchers.get(conv)
+        if matcher is None:
+            return token, False
+        bits = matcher.compute_bitmask()  # type: ignore[attr-defined]
+        allowed = [t for t in range(self.tokenizer.n_vocab) if bits[t // 8] >> (t % 8) & 1]
+        if token not in allowed:
+            token = allowed[0]
+        matcher.consume_token(token)  # type: ignore[attr-defined]
+        return token, bool(matcher.is_stopped())  # type: ignore[attr-defined]
 
     def stop_sampling(self, conv: int) -> None:
         self.sampling.pop(conv, None)
+        self.matchers.pop(conv, None)
 
     def execute(self, plan: Plan) -> StepResult:
         try:
@@ -145,8 +170,8 @@ class FakeExecutor:
         sampled = []
         for s in plan.slices:
             if s.logits:
-                token = next_token(self.kv.tokens(s.seq_id), self.eog_every)
-                sampled.append(Sampled(s.conv, token, self.tokenizer.piece(token), token in (EOS, IM_END)))
+                token, final = self._choose(s.conv, self.kv.tokens(s.seq_id))
+                sampled.append(Sampled(s.conv, token, self.tokenizer.piece(token), token in (EOS, IM_END), final))
         return StepResult(StepStatus.OK, tuple(sampled), parked=parked, restored=restored)
 
     def read_state(self, seq_id: int) -> bytes:
