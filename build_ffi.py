@@ -200,6 +200,8 @@ void llama_batch_free(struct llama_batch batch);
 int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
 float * llama_get_logits(struct llama_context * ctx);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
+enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
 
 /* memory (KV cache) */
 void llama_memory_clear(llama_memory_t mem, bool data);

@@ -168,7 +168,14 @@ class Snapshot:
     state: bytes = field(repr=False)
 
 
-Item = Delta | Ack | Snapshot
+@dataclass(frozen=True)
+class Vectors:
+    """The answer to an :class:`Embed`: one vector per text, in order."""
+
+    vectors: list[list[float]] = field(repr=False)
+
+
+Item = Delta | Ack | Snapshot | Vectors
 
 
 class Portal(Protocol):
@@ -268,6 +275,15 @@ class Load:
 
 
 @dataclass(frozen=True)
+class Embed:
+    """Embed token lists; answered with :class:`Vectors` (or a Delta carrying the error)."""
+
+    texts: tuple[tuple[int, ...], ...] = field(repr=False)
+    normalize: bool
+    sink: Sink
+
+
+@dataclass(frozen=True)
 class ClearCache:
     """Drop every cache entry and every parked state; ``ack`` gets an :class:`Ack`."""
 
@@ -280,7 +296,7 @@ class Shutdown:
 
 
 Command = (NewConversation | Prompt | Fork | Generate | Cancel | Close | Rewind | Save | Load | ClearCache
-           | Shutdown)
+           | Embed | Shutdown)
 
 
 class Admission:

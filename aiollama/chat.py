@@ -37,8 +37,10 @@ _ASCII_SPACE = " \t\n\v\f\r"  # what C's isspace() strips
 log = logging.getLogger("aiollama.chat")
 
 
-def normalize(messages: Messages) -> list[dict[str, str]]:
-    """``messages`` as a list of {"role", "content"} dicts: a str is one user message."""
+def normalize(messages: Messages) -> list[dict[str, Any]]:
+    """``messages`` as a list of {"role", "content"} dicts: a str is one user message. An assistant
+    message may have ``tool_calls`` (and no content), a tool message ``tool_call_id`` and ``name``;
+    arguments given as JSON text are passed to templates as objects, as they expect."""
     if isinstance(messages, str):
         messages = {"role": "user", "content": messages}
     if isinstance(messages, Mapping):
@@ -53,12 +55,49 @@ def normalize(messages: Messages) -> list[dict[str, str]]:
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"message {i} must be a mapping with 'role' and 'content'")
         role, content = message.get("role"), message.get("content")
+        calls = message.get("tool_calls")
+        if content is None and calls:
+            content = ""
         if not isinstance(role, str) or not role or not isinstance(content, str):
             raise ChatTemplateError(f"message {i} needs a non-empty str 'role' and a str 'content'")
         if "\ue000" in content or "\ue001" in content or REPLY in content or REPLY in role:
             raise ChatTemplateError(f"message {i} holds characters U+E000..U+E002, which aiollama reserves")
-        out.append({"role": role, "content": content})
+        item: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            item["tool_calls"] = _tool_calls(i, calls)
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                item[key] = message[key]
+        out.append(item)
     return out
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, Sequence) or isinstance(calls, str):
+        raise ChatTemplateError(f"message {i}: tool_calls must be a list")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ChatTemplateError(f"message {i}: each tool call needs a function with a name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise ChatTemplateError(f"message {i}: tool call arguments are not JSON: {arguments!r}") from None
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def template_text(message: Mapping[str, Any]) -> list[str]:
+    """The text of a message that templates write as is, not as caller content: the role and the
+    tool calls (names and arguments). It must not hold special-token text."""
+    parts = [message["role"]]
+    for call in message.get("tool_calls", ()):
+        parts += [call["function"]["name"], json.dumps(call["function"]["arguments"], ensure_ascii=False)]
+    return parts
 
 
 @dataclass(frozen=True)
@@ -67,9 +106,10 @@ class Segment:
     template: bool  # True: the template's own text (special tokens parsed); False: caller content
 
 
-def protect(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[str]]:
-    """Messages with each content replaced by a placeholder, and the contents in order."""
-    return ([{"role": m["role"], "content": _CONTENT.format(i)} for i, m in enumerate(messages)],
+def protect(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Messages with each content replaced by a placeholder (an empty one stays empty, for templates
+    that test it), and the contents in order."""
+    return ([{**m, "content": _CONTENT.format(i) if m["content"] else ""} for i, m in enumerate(messages)],
             [m["content"] for m in messages])
 
 
@@ -170,16 +210,23 @@ class ChatTemplate:
                             "template", exc)
                 self._jinja = None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template has a place for tools (else they are described in a system message)."""
+        return self._jinja is not None and self.source is not None and "tools" in self.source
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               tools: list[dict[str, Any]] | None = None) -> str:
         if self._jinja is not None:
             try:
+                extra = {} if tools is None else {"tools": tools}
                 return str(self._jinja.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                              **self._vars))
+                                              **self._vars, **extra))
             except _Refused as exc:
                 raise ChatTemplateError(f"the chat template refuses these messages: {exc}") from None
             except Exception as exc:  # noqa: BLE001 - a template bug, not the caller's: fall back
                 log.warning("the model's chat template failed (%r); using llama.cpp's built-in template", exc)
-        return self._builtin(messages, add_generation_prompt)
+        return self._builtin([{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt)
 
 
 class _Refused(Exception):

@@ -14,11 +14,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import json
+
 from aiollama.boundary import FinishReason
-from aiollama.chat import REPLY, Messages, normalize, protect, segments
+from aiollama.chat import REPLY, Messages, normalize, protect, segments, template_text
 from aiollama.client import EngineClient
 from aiollama.errors import ChatTemplateError
 from aiollama.stream import Collector
+from aiollama.toolcalls import describe
 
 
 @dataclass(frozen=True)
@@ -43,24 +46,31 @@ class ChatTurns:
             out.append({"role": "assistant", "content": self.reply.text})
         return out
 
-    def render(self, core: EngineClient, messages: Messages, *, first: bool) -> tuple[list[int], list[dict[str, str]]]:
-        """The tokens of a new turn holding ``messages``, and the messages normalized."""
+    def render(self, core: EngineClient, messages: Messages, *, first: bool,
+               tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[dict[str, Any]]]:
+        """The tokens of a new turn holding ``messages`` (offering ``tools``), and the messages
+        normalized. A template without a place for tools gets them described in a system message,
+        and earlier tool calls written as JSON, as llama-server does."""
         if self.broken:
             raise ChatTemplateError("the conversation was rewound into the middle of a chat turn; rewind "
                                     "to where a turn or a reply begins, or start a new conversation")
         new = normalize(messages)
         for message in new:
-            core.check_role(message["role"])
-        protected, contents = protect(new)
+            for text in template_text(message):
+                core.check_template_text(text)
         template = core.chat_template
+        if tools and not template.supports_tools:
+            new = self._tools_as_text(new, tools)
+            tools = None
+        protected, contents = protect(new)
         if self.given is None:
-            rendered = template.render(protected, True)
+            rendered = template.render(protected, True, tools)
         else:
             history = self.messages
             if self.reply is None:
                 history.append({"role": "assistant", "content": ""})
             previous = history[:-1] + [{"role": "assistant", "content": REPLY}]
-            full = template.render(previous + protected, True)
+            full = template.render(previous + protected, True, tools)
             at = full.rfind(REPLY)
             if at < 0:
                 raise ChatTemplateError("the chat template drops the previous assistant reply, so a turn "
@@ -74,6 +84,22 @@ class ChatTurns:
         if not tokens:
             raise ChatTemplateError("the chat template rendered nothing for these messages")
         return tokens, new
+
+    def _tools_as_text(self, new: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for message in new:
+            if message.get("tool_calls"):
+                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                         for c in message["tool_calls"]]
+                text = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+                message = {"role": message["role"], "content": (message["content"] + "\n" + text).strip()}
+            out.append(message)
+        if self.given is None:  # the first turn: offer the tools in the system message
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + describe(tools)}
+            else:
+                out.insert(0, {"role": "system", "content": describe(tools)})
+        return out
 
     def appended(self, start: int, n_tokens: int, new: list[dict[str, str]]) -> None:
         """A turn of ``n_tokens`` was appended at history length ``start``."""

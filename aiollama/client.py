@@ -158,7 +158,8 @@ class EngineClient:
         """Tokens of rendered chat text: split only at the template's own special tokens."""
         return chat_tokens(self.tokenizer, parts, first=first)
 
-    def check_role(self, role: str) -> None:
-        if self.tokenize(role, add_special=False, special=True) != self.tokenize(role, add_special=False,
+    def check_template_text(self, text: str) -> None:
+        """Text a template writes as its own (a role, a tool call) must hold no special-token text."""
+        if self.tokenize(text, add_special=False, special=True) != self.tokenize(text, add_special=False,
                                                                                   special=False):
-            raise ChatTemplateError(f"the role {role!r} holds special-token text")
+            raise ChatTemplateError(f"{text[:80]!r} holds special-token text (a role or a tool call)")

@@ -31,6 +31,7 @@ from aiollama.errors import ContextFull, ConversationBusy, ConversationClosed, I
 from aiollama.portal import AsyncSink, ThreadSink
 from aiollama.sampling import SamplingParams
 from aiollama.stream import Chunk, Completion, StreamBase, Stream, SyncStream, TokenHistory
+from aiollama.toolcalls import call_schema, tool_names
 
 __all__ = ["Chunk", "Completion", "Conversation", "Stream", "SyncConversation", "SyncStream"]
 
@@ -45,6 +46,7 @@ class _ConversationBase:
         self._chat = ChatTurns()
         self._closed = False
         self._last_stream: weakref.ref[StreamBase] | None = None
+        self._tool_names: list[str] = []  # the tools the current chat turn offered
 
     def _check(self) -> None:
         self._core.check()
@@ -100,22 +102,37 @@ class _ConversationBase:
         """The chat so far: every message given to ``chat()`` and the replies streamed back."""
         return self._chat.messages
 
-    def append_chat(self, messages: Messages) -> int:
+    def append_chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None) -> int:
         """Append ``messages`` as the next chat turn, with the assistant's generation prompt, without
-        generating (``chat()`` does both; a ``stream()`` afterwards is the turn's reply). Returns the
-        number of tokens appended. Never blocks."""
+        generating (``chat()`` does both; a ``stream()`` afterwards is the turn's reply). ``tools``
+        (OpenAI-style function tools) reach the template. Returns the number of tokens appended.
+        Never blocks."""
         self._check()
         self._check_idle()
         start = len(self)
-        tokens, new = self._chat.render(self._core, messages, first=start == 0)
+        tokens, new = self._chat.render(self._core, messages, first=start == 0, tools=tools)
         self._append(tokens)
+        self._tool_names = tool_names(tools) if tools else []
         self._chat.appended(start, len(tokens), new)
         return len(tokens)
 
-    def _chat_turn(self, messages: Messages, params: dict[str, Any]) -> None:
+    def _chat_turn(self, messages: Messages, params: dict[str, Any], tools: list[dict[str, Any]] | None,
+                   tool_choice: Any) -> dict[str, Any]:
+        """Append a turn; the stream's parameters, with the constraint ``tool_choice`` asks for."""
         self._check()
+        if tools:
+            names = tool_names(tools)
+            schema = call_schema(tools, tool_choice)
+            if schema is not None:
+                if any(params.get(k) is not None for k in ("grammar", "json_schema", "regex", "lark")):
+                    raise InvalidRequestError("tool_choice 'required' or a named function constrains the output; "
+                                              "give no other constraint with it")
+                params = {**params, "json_schema": schema}
+            if tool_choice == "none":
+                tools = None
         SamplingParams.from_kwargs(**params)  # a bad parameter must not leave half a turn behind
-        self.append_chat(messages)
+        self.append_chat(messages, tools=tools)
+        return params
 
     def _check_idle(self) -> None:
         last = self._last_stream() if self._last_stream is not None else None
@@ -192,6 +209,7 @@ class _ConversationBase:
             self._history.not_generating()
             raise
         self._chat.streaming(start, stream._result)
+        stream._result.tool_names, self._tool_names = self._tool_names, []
         self._last_stream = weakref.ref(stream)
 
     def _close_command(self, ack: AsyncSink | ThreadSink) -> bool:
@@ -265,13 +283,18 @@ class Conversation(_ConversationBase):
         self._start(params, sink, stream)
         return stream
 
-    def chat(self, messages: Messages, **params: Any) -> Stream:
+    def chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = "auto",
+             **params: Any) -> Stream:
         """Append a chat turn in the model's own template, then stream the assistant's reply.
 
-        ``messages`` is a str (one user message), a {"role", "content"} mapping, or a list of them.
-        Each call appends to this conversation: earlier turns stay in the KV cache and are never
-        evaluated again. Content is plain text: it never becomes control tokens. Parameters are those
-        of ``stream()``.
+        ``messages`` is a str (one user message), a {"role", "content"} mapping, or a list of them
+        (assistant messages with ``tool_calls`` and ``tool`` messages too). Each call appends to this
+        conversation: earlier turns stay in the KV cache and are never evaluated again. Content is
+        plain text: it never becomes control tokens. ``tools`` are OpenAI-style function tools, given
+        to the template (or described in a system message when it has no place for them); the
+        completion's ``tool_calls`` are the calls the reply makes. ``tool_choice`` "required" or
+        ``{"type": "function", "function": {"name": ...}}`` constrains the reply to a valid call,
+        "none" offers no tools. Parameters are those of ``stream()``.
 
         Raises:
             ChatTemplateError: a malformed message, a role with special-token text, or messages the
@@ -280,7 +303,7 @@ class Conversation(_ConversationBase):
             ``stream()`` raises (``Overloaded``), the turn stays appended: call ``stream()`` later
             for the reply.
         """
-        self._chat_turn(messages, params)
+        params = self._chat_turn(messages, params, tools, tool_choice)
         return self.stream(**params)
 
     async def save(self, path: str | os.PathLike[str]) -> None:
@@ -322,9 +345,10 @@ class SyncConversation(_ConversationBase):
         self._start(params, sink, stream)
         return stream
 
-    def chat(self, messages: Messages, **params: Any) -> SyncStream:
+    def chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = "auto",
+             **params: Any) -> SyncStream:
         """Append a chat turn and stream the reply; see ``Conversation.chat``."""
-        self._chat_turn(messages, params)
+        params = self._chat_turn(messages, params, tools, tool_choice)
         return self.stream(**params)
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -22,6 +22,7 @@ from aiollama.boundary import (
     Close,
     Command,
     Delta,
+    Embed,
     EngineConfig,
     Generate,
     Shutdown,
@@ -161,4 +162,6 @@ class DecodeLoop:
                 outbox.emit(command.ack, Ack())
             elif isinstance(command, ClearCache):
                 outbox.emit(command.ack, Ack())
+            elif isinstance(command, Embed):
+                outbox.emit(command.sink, Delta(error=error))
         outbox.flush()

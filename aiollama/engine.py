@@ -17,12 +17,12 @@ from typing import Any
 import anyio
 
 from aiollama import savefile
-from aiollama.boundary import ClearCache, EngineConfig, Load, NewConversation, Statistics
+from aiollama.boundary import ClearCache, Delta, Embed, EngineConfig, Item, Load, NewConversation, Statistics, Vectors
 from aiollama.chat import Messages, normalize
 from aiollama.chat_turns import ChatTurns
 from aiollama.client import EngineClient
 from aiollama.conversation import Completion, Conversation, SyncConversation
-from aiollama.errors import ConversationFileError, EngineClosed, EngineDead
+from aiollama.errors import ConversationFileError, EngineClosed, EngineDead, InvalidRequestError
 from aiollama.executor import NativeExecutor
 from aiollama.models import default_model
 from aiollama.portal import AsyncSink, ThreadSink, current_portal
@@ -140,6 +140,23 @@ class _EngineBase:
         core.send(Load(conv.id, saved.tokens, saved.n_cached, saved.state, sink))
         return conv
 
+    def _embed_request(self, texts: str | Sequence[str] | Sequence[Sequence[int]], normalize: bool,
+                       sink: AsyncSink | ThreadSink) -> None:
+        core = self._client
+        if isinstance(texts, str):
+            texts = [texts]
+        if not texts:
+            raise InvalidRequestError("embed() needs at least one text")
+        token_lists = tuple(tuple(core.encode(t, first=True, special=False)) for t in texts)
+        core.send(Embed(token_lists, normalize, sink))
+
+    @staticmethod
+    def _vectors(item: Item) -> list[list[float]]:
+        if isinstance(item, Delta) and item.error is not None:
+            raise item.error
+        assert isinstance(item, Vectors)
+        return item.vectors
+
     def _close(self) -> None:
         core = self._core
         if core is None:
@@ -201,6 +218,21 @@ class Engine(_EngineBase):
         """A new, empty conversation (or one holding ``prompt``). Cheap: it takes no seq id yet."""
         conv: Conversation = self._new(Conversation, prompt)
         return conv
+
+    async def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *,
+                    normalize: bool = True) -> list[list[float]]:
+        """One embedding per text (or token list), mean-pooled over a generative model's last
+        hidden states, or pooled as a dedicated embedding model (BERT and its kin) says; normalised
+        to unit length unless ``normalize=False``. Many texts go into one decode.
+
+        Raises ContextFull for a text longer than the embeddings context (2048 tokens at most),
+        InvalidRequestError for an empty one.
+        """
+        sink = AsyncSink(self._client.check_loop())
+        self._embed_request(texts, normalize, sink)
+        with anyio.CancelScope(shield=True):
+            item = await sink.get()
+        return self._vectors(item)
 
     async def clear_cache(self) -> None:
         """Drop the prefix cache: what closed conversations left in the KV cache, and every state
@@ -274,6 +306,13 @@ class SyncEngine(_EngineBase):
     def conversation(self, prompt: str | Sequence[int] | None = None) -> SyncConversation:
         conv: SyncConversation = self._new(SyncConversation, prompt)
         return conv
+
+    def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *,
+              normalize: bool = True) -> list[list[float]]:
+        """Embeddings; see ``Engine.embed``."""
+        sink = ThreadSink()
+        self._embed_request(texts, normalize, sink)
+        return self._vectors(sink.get())
 
     def clear_cache(self) -> None:
         """Drop the prefix cache; see ``Engine.clear_cache``."""

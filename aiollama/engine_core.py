@@ -28,6 +28,7 @@ from aiollama.boundary import (
     Close,
     Command,
     Delta,
+    Embed,
     EngineConfig,
     FinishReason,
     Fork,
@@ -39,6 +40,7 @@ from aiollama.boundary import (
     Save,
     Snapshot,
     Statistics,
+    Vectors,
 )
 from aiollama.errors import AiollamaError, ConversationBusy, ConversationClosed, DecodeError, EngineDead
 from aiollama.generations import Generations, stats_of
@@ -142,6 +144,11 @@ class EngineCore:
             self._save(command)
         elif isinstance(command, Load):
             self._load(command)
+        elif isinstance(command, Embed):
+            try:
+                self.outbox.emit(command.sink, Vectors(self.executor.embed(command.texts, command.normalize)))
+            except AiollamaError as exc:
+                self.outbox.emit(command.sink, Delta(error=exc))
         elif isinstance(command, ClearCache):
             sched.kv.clear_cache()
             self.outbox.emit(command.ack, Ack())

@@ -21,7 +21,8 @@ import numpy as np
 
 from aiollama.boundary import EngineConfig
 from aiollama.constraints import Masks
-from aiollama.errors import DecodeError, StateRestoreError, UnsupportedModel
+from aiollama.embedder import Embedder, is_embedding_model
+from aiollama.errors import DecodeError, InvalidRequestError, StateRestoreError, UnsupportedModel
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab
 from aiollama.native.sampler import DEFAULT_SEED
 from aiollama.sampling import SamplingParams
@@ -115,11 +116,20 @@ class NativeExecutor:
                 raise UnsupportedModel(
                     f"{model_path.name} is a recurrent or hybrid model; its memory cannot drop the end "
                     "of a sequence, which this engine needs to share prefixes, preempt and cancel")
-            self.ctx: Context = stack.enter_context(Context(
-                self.model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=config.context_seq_ids(self.model.vocab.n_tokens),
-                n_threads=config.n_threads, kv_unified=True))
-            self.batch: Batch = stack.enter_context(Batch(self.ctx.n_batch))
+            self.embeds_only = is_embedding_model(self.model)
+            self._embedder: Embedder | None = None
+            if self.embeds_only:  # no KV cache, no generation: the embeddings context is the context
+                self._embedder = Embedder(self.model, n_threads=config.n_threads)
+                stack.callback(self._embedder.close)
+                self.ctx, self.batch = self._embedder.ctx, self._embedder.batch
+            else:
+                self.ctx = stack.enter_context(Context(
+                    self.model, n_ctx=config.n_ctx, n_batch=config.n_batch,
+                    n_seq_max=config.context_seq_ids(self.model.vocab.n_tokens), n_threads=config.n_threads,
+                    kv_unified=True))
+                self.batch = stack.enter_context(Batch(self.ctx.n_batch))
             self._handles = stack.pop_all()
+        self._threads = config.n_threads
         self.vocab = self.model.vocab
         self.tokenizer: Tokenizer = VocabTokenizer(self.vocab)
         self.n_ctx, self.n_seq_max, self.n_batch = self.ctx.n_ctx, self.ctx.n_seq_max, self.ctx.n_batch
@@ -130,6 +140,8 @@ class NativeExecutor:
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
                        matcher: Any = None) -> None:
+        if self.embeds_only:
+            raise InvalidRequestError(f"{self.model.path} is an embedding model: it embeds, it does not generate")
         top = params.top_logprobs if params.logprobs else -1
         self._samplers[conv] = _Sampler(build_chain(self.vocab, params, history), matcher, top)
 
@@ -195,7 +207,14 @@ class NativeExecutor:
     def read_state(self, seq_id: int) -> bytes:
         return self.ctx.seq_state(seq_id)
 
+    def embed(self, texts: Sequence[Sequence[int]], normalize: bool = True) -> list[list[float]]:
+        if self._embedder is None:
+            self._embedder = Embedder(self.model, n_threads=self._threads)
+        return self._embedder.embed(texts, normalize)
+
     def write_state(self, seq_id: int, data: bytes) -> bool:
+        if self.embeds_only:
+            return False
         try:
             self.ctx.set_seq_state(seq_id, data)
         except StateRestoreError:
@@ -241,4 +260,6 @@ class NativeExecutor:
         for sampler in self._samplers.values():
             sampler.chain.close()
         self._samplers.clear()
+        if self._embedder is not None and not self.embeds_only:
+            self._embedder.close()  # the one of an embedding model goes with the handles
         self._handles.close()  # batch, context, model: the reverse of their creation

@@ -213,6 +213,10 @@ class Executor(Protocol):
     fingerprint: Mapping[str, str | int]  # what a saved state must match: the model and the cache layout
     can_shift: bool  # the memory can move positions (context shift)
 
+    def embed(self, texts: Sequence[Sequence[int]], normalize: bool) -> list[list[float]]:
+        """A pooled embedding per token list (between steps; the KV cache is not touched)."""
+        ...
+
     def read_state(self, seq_id: int) -> bytes:
         """A copy of ``seq_id``'s cells (empty if it holds none)."""
         ...

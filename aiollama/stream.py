@@ -16,6 +16,7 @@ import anyio
 
 from aiollama.boundary import Delta, FinishReason, GenerationStats, Item, TokenLogprob
 from aiollama.portal import AsyncSink, ThreadSink
+from aiollama.toolcalls import ToolCall, parse
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,15 @@ class Chunk:
 @dataclass(frozen=True)
 class Completion:
     """A whole generation: ``finish_reason`` is EOG, STOP, LENGTH or CANCELLED; ``stats`` says what
-    it cost (None when the engine closed under it)."""
+    it cost (None when the engine closed under it). When the chat turn offered tools, ``tool_calls``
+    are the calls the text makes (see :mod:`aiollama.toolcalls`)."""
 
     text: str
     tokens: list[int]
     finish_reason: FinishReason
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class TokenHistory:
@@ -142,6 +145,7 @@ class Collector:
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_names: list[str] = field(default_factory=list)  # the tools offered: parse calls at the end
 
     def take(self, item: Item) -> Chunk | None:
         """Record a delta; return the chunk to hand out, or None when there is nothing to show."""
@@ -168,8 +172,10 @@ class Collector:
         return "".join(self.parts)
 
     def completion(self) -> Completion:
-        return Completion(self.text, list(self.tokens), self.finish_reason or FinishReason.CANCELLED, self.stats,
-                          list(self.logprobs))
+        text = self.text
+        calls = parse(text, self.tool_names)[1] if self.tool_names else []
+        return Completion(text, list(self.tokens), self.finish_reason or FinishReason.CANCELLED, self.stats,
+                          list(self.logprobs), calls)
 
 
 class StreamBase:

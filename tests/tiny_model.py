@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader, GGUFWriter, PoolingType
 
 TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
@@ -225,4 +225,65 @@ def write_mamba_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n
     writer.write_tensors_to_file()
     writer.close()
     os.replace(tmp, path)
+    return path
+
+
+def write_bert_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_embd: int = 64,
+                     n_head: int = 4, n_ff: int = 128, n_ctx_train: int = 512) -> Path:
+    """A tiny random BERT (non-causal, mean pooling): a dedicated embedding model."""
+    fields = copy_tokenizer(tokenizer_source)
+    fields.pop("tokenizer.chat_template", None)
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), "bert")
+    writer.add_name("aiollama tiny embedding test model")
+    writer.add_block_count(n_layer)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_layer_norm_eps(1e-12)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(PoolingType.MEAN)
+    writer.add_token_type_count(2)
+    writer.add_file_type(0)
+    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+    rng = np.random.default_rng(1)
+
+    def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    ones, zeros = np.ones(n_embd, dtype=np.float32), np.zeros(n_embd, dtype=np.float32)
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("token_types.weight", weight(2, n_embd))
+    writer.add_tensor("position_embd.weight", weight(n_ctx_train, n_embd))
+    writer.add_tensor("token_embd_norm.weight", ones)
+    writer.add_tensor("token_embd_norm.bias", zeros)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            writer.add_tensor(p + name + ".weight", weight(n_embd, n_embd))
+            writer.add_tensor(p + name + ".bias", weight(n_embd))
+        writer.add_tensor(p + "attn_output_norm.weight", ones)
+        writer.add_tensor(p + "attn_output_norm.bias", zeros)
+        writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.bias", weight(n_ff))
+        writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff))
+        writer.add_tensor(p + "ffn_down.bias", weight(n_embd))
+        writer.add_tensor(p + "layer_output_norm.weight", ones)
+        writer.add_tensor(p + "layer_output_norm.bias", zeros)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, path)
+    return path
+
+
+def bert_model(cache: Path, tokenizer_source: Path) -> Path:
+    """The cached tiny BERT model, written on first use."""
+    path = cache / "tiny-bert-v1.gguf"
+    if not path.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        write_bert_model(path, tokenizer_source)
     return path

@@ -65,6 +65,10 @@ class Perf:
     n_graph_reused: int
 
 
+POOLING = {"none": lib.LLAMA_POOLING_TYPE_NONE, "mean": lib.LLAMA_POOLING_TYPE_MEAN,
+           "cls": lib.LLAMA_POOLING_TYPE_CLS, "last": lib.LLAMA_POOLING_TYPE_LAST}
+
+
 class Context(Handle):
     """A llama_context over ``model``, which it keeps alive until closed.
 
@@ -91,6 +95,8 @@ class Context(Handle):
         n_threads_batch: int | None = None,
         kv_unified: bool = True,
         flash_attn: bool | None = None,
+        embeddings: bool = False,
+        pooling: str | None = None,
     ) -> None:
         integer("n_ctx", n_ctx, low=0)
         integer("n_batch", n_batch, low=1)
@@ -109,6 +115,11 @@ class Context(Handle):
         params.n_threads_batch = threads_batch
         params.kv_unified = kv_unified
         params.no_perf = False
+        params.embeddings = embeddings
+        if pooling is not None:
+            if pooling not in POOLING:
+                raise InvalidRequestError(f"pooling must be one of {sorted(POOLING)}, got {pooling!r}")
+            params.pooling_type = POOLING[pooling]
         if flash_attn is not None:
             params.flash_attn_type = (
                 lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
@@ -134,6 +145,7 @@ class Context(Handle):
         self.n_ubatch: int = lib.llama_n_ubatch(ptr)
         self.n_seq_max: int = lib.llama_n_seq_max(ptr)
         self.kv_unified = kv_unified
+        self.embeddings = embeddings
         self.n_vocab = self.vocab.n_tokens
         self._outputs: frozenset[int] = frozenset()
 
@@ -192,6 +204,8 @@ class Context(Handle):
         if batch.shares_rows and not self.kv_unified:
             raise InvalidBatchError("rows shared by several sequences need a context with kv_unified=True")
         for seq_id, first in batch.first_pos.items():
+            if self._memory == ffi.NULL:
+                break
             pos_max = lib.llama_memory_seq_pos_max(self._memory, seq_id)
             if pos_max >= 0 and first != pos_max + 1:
                 raise InvalidBatchError(
@@ -236,6 +250,20 @@ class Context(Handle):
         self.check_output(idx)
         return ffi.buffer(lib.llama_get_logits_ith(ptr, idx), 4 * self.n_vocab)
 
+    def embedding(self, seq_id: int) -> list[float]:
+        """The pooled embedding of ``seq_id`` after the last decode of an embeddings context."""
+        ptr = self._get()
+        self._check_seq(seq_id)
+        row = lib.llama_get_embeddings_seq(ptr, seq_id)
+        if row == ffi.NULL:
+            raise InvalidOutputError(f"no pooled embedding for sequence {seq_id} (embeddings off, or no pooling)")
+        return list(ffi.unpack(row, self.model.n_embd))
+
+    def memory_clear(self) -> None:
+        """Drop every cell of every sequence."""
+        if self._memory != ffi.NULL:
+            lib.llama_memory_clear(self._mem(), True)
+
     def logits(self, idx: int) -> list[float]:
         """A copy of the logits of batch row ``idx`` of the last decode."""
         ptr = self._get()
@@ -245,13 +273,20 @@ class Context(Handle):
 
     # memory (KV cache)
 
+    def _mem(self) -> Any:
+        """The context's memory (KV cache); InvalidRequestError for a model that has none (an
+        embedding model that attends to whole inputs keeps nothing between decodes)."""
+        self._get()
+        if self._memory == ffi.NULL:
+            raise InvalidRequestError("this context has no memory (an embedding model keeps no KV cache)")
+        return self._memory
+
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of ``seq_id`` (-1: every sequence; negative bounds: open).
 
         False when the memory cannot remove part of a sequence (recurrent models).
         """
-        self._get()
-        return bool(lib.llama_memory_seq_rm(self._memory, self._check_seq(seq_id, allow_all=True), p0, p1))
+        return bool(lib.llama_memory_seq_rm(self._mem(), self._check_seq(seq_id, allow_all=True), p0, p1))
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make ``dst`` hold ``src``'s positions [p0, p1) too.
@@ -269,7 +304,7 @@ class Context(Handle):
                 raise InvalidRequestError(
                     f"seq_cp of the range [{p0}, {p1}) needs a unified KV cache; a split cache "
                     "(kv_unified=False) can only copy whole sequences (p0=p1=-1)")
-        lib.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
+        lib.llama_memory_seq_cp(self._mem(), src, dst, p0, p1)
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Add ``delta`` to the positions ``[p0, p1)`` of ``seq_id`` (negative bounds: open).
@@ -279,23 +314,23 @@ class Context(Handle):
         self._get()
         if not self.can_shift:
             raise InvalidRequestError("this model's memory cannot shift positions")
-        lib.llama_memory_seq_add(self._memory, self._check_seq(seq_id), p0, p1, delta)
+        lib.llama_memory_seq_add(self._mem(), self._check_seq(seq_id), p0, p1, delta)
 
     @property
     def can_shift(self) -> bool:
         """Whether positions can be moved (``seq_add``): a context shift."""
         self._get()
-        return bool(lib.llama_memory_can_shift(self._memory))
+        return self._memory != ffi.NULL and bool(lib.llama_memory_can_shift(self._memory))
 
     def seq_pos_min(self, seq_id: int) -> int:
         """The first cached position of ``seq_id``, or -1 if it holds nothing."""
         self._get()
-        return int(lib.llama_memory_seq_pos_min(self._memory, self._check_seq(seq_id)))
+        return int(lib.llama_memory_seq_pos_min(self._mem(), self._check_seq(seq_id)))
 
     def seq_pos_max(self, seq_id: int) -> int:
         """The last cached position of ``seq_id``, or -1 if it holds nothing."""
         self._get()
-        return int(lib.llama_memory_seq_pos_max(self._memory, self._check_seq(seq_id)))
+        return int(lib.llama_memory_seq_pos_max(self._mem(), self._check_seq(seq_id)))
 
     # per-sequence state
 
@@ -303,7 +338,7 @@ class Context(Handle):
         """The KV state of one sequence, to restore later with :meth:`set_seq_state`."""
         ptr = self._get()
         self._check_seq(seq_id)
-        if lib.llama_memory_seq_pos_max(self._memory, seq_id) < 0:
+        if lib.llama_memory_seq_pos_max(self._mem(), seq_id) < 0:
             return b""
         size = lib.llama_state_seq_get_size(ptr, seq_id)
         buf = ffi.new("uint8_t[]", size)

@@ -1,0 +1,154 @@
+"""Tool calls and reasoning in generated text, and what a model without tool support is told.
+
+Models write tool calls in a few formats; :func:`parse` reads them into OpenAI-style calls:
+
+- Hermes and Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block a call;
+- Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
+- Llama 3: ``<|python_tag|>{"name": ..., "parameters": {...}}``, or that JSON alone;
+- plain JSON: an object with ``name`` and ``arguments`` (or ``parameters``), or a list of them,
+  possibly in a code fence. This is also what ``tool_choice="required"`` or a named function
+  constrains the output to, so even a small model returns arguments that parse.
+
+Only names among the tools offered count as calls. Pure: no engine, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiollama.errors import InvalidRequestError
+
+THINK_START, THINK_END = "<think>", "</think>"
+MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function's name and its arguments as JSON text (as OpenAI gives them)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The function names of OpenAI-style tools; InvalidRequestError for a malformed one."""
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or not name or tool.get("type", "function") != "function":
+            raise InvalidRequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        names.append(name)
+    return names
+
+
+def _call(obj: Any, names: Collection[str]) -> ToolCall | None:
+    if not isinstance(obj, Mapping) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+        except ValueError:
+            return None
+        return ToolCall(str(obj["name"]), args)
+    return ToolCall(str(obj["name"]), json.dumps(args, ensure_ascii=False))
+
+
+def _json_calls(text: str, names: Collection[str]) -> list[ToolCall] | None:
+    fenced = _FENCE.match(text)
+    if fenced:
+        text = fenced.group(1)
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = [_call(item, names) for item in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return [c for c in calls if c is not None]
+
+
+def parse(text: str, names: Collection[str]) -> tuple[str, list[ToolCall]]:
+    """Split generated text into its plain content and the tool calls it makes (none: the content
+    is the whole text)."""
+    stripped = text.strip()
+    if "<tool_call>" in stripped:
+        calls = []
+        for body in _HERMES.findall(stripped):
+            found = _json_calls(body, names)
+            if found is None:
+                return text, []
+            calls += found
+        return stripped[:stripped.index("<tool_call>")].strip(), calls
+    for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
+        if marker in stripped:
+            before, _, after = stripped.partition(marker)
+            found = _json_calls(after.strip(), names)
+            return (before.strip(), found) if found else (text, [])
+    found = _json_calls(stripped, names)
+    return ("", found) if found else (text, [])
+
+
+def might_be_call(text: str) -> bool:
+    """Whether streamed text so far could be the start of a tool call (hold it back until known)."""
+    stripped = text.lstrip()
+    return not stripped or any(stripped.startswith(m) or m.startswith(stripped) for m in MARKERS)
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """``(reasoning, content)``: text between the thinking markers at the start, and the rest."""
+    stripped = text.lstrip()
+    if not stripped.startswith(THINK_START):
+        if THINK_END in text and THINK_START not in text:  # the template opened the block itself
+            reasoning, _, content = text.partition(THINK_END)
+            return reasoning.strip(), content.lstrip()
+        return "", text
+    reasoning, _, content = stripped[len(THINK_START):].partition(THINK_END)
+    return reasoning.strip(), content.lstrip()
+
+
+def call_schema(tools: Sequence[Mapping[str, Any]], choice: Any) -> dict[str, Any] | None:
+    """The JSON schema a ``tool_choice`` of "required" or a named function constrains the output to
+    (None for "auto" and "none")."""
+    if choice in (None, "auto", "none"):
+        return None
+    by_name = {tool["function"]["name"]: tool["function"] for tool in tools}
+    if choice == "required":
+        wanted = list(by_name)
+    elif isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
+        name = choice["function"].get("name")
+        if name not in by_name:
+            raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools")
+        wanted = [name]
+    else:
+        raise InvalidRequestError(f"tool_choice must be 'auto', 'none', 'required' or "
+                                  f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
+    options = [{"type": "object", "properties": {
+        "name": {"const": name},
+        "arguments": by_name[name].get("parameters") or {"type": "object"}},
+        "required": ["name", "arguments"]} for name in wanted]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def describe(tools: Sequence[Mapping[str, Any]]) -> str:
+    """A system message that offers ``tools`` to a model whose template has no place for them."""
+    listed = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
+    return ("You can call these tools:\n" + listed + "\n\nTo call one, answer only with a JSON object: "
+            '{"name": <the tool\'s name>, "arguments": <an object of its arguments>}.')
