@@ -121,7 +121,7 @@ class _ConversationBase:
         """Append a turn; the stream's parameters, with the constraint ``tool_choice`` asks for."""
         self._check()
         if tools:
-            names = tool_names(tools)
+            tool_names(tools)  # checks every definition before anything is appended
             schema = call_schema(tools, tool_choice)
             if schema is not None:
                 if any(params.get(k) is not None for k in ("grammar", "json_schema", "regex", "lark")):

@@ -101,6 +101,10 @@ class _EngineBase:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._client.detokenize(tokens)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (special tokens as their text); thread-safe."""
+        return self._client.tokenizer.piece(token)
+
     def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
         """The text the model's chat template makes of ``messages``: the prompt ``chat()`` evaluates
         for a new conversation. Raises ``ChatTemplateError`` for malformed messages."""

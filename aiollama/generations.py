@@ -15,6 +15,7 @@ so a conversation's commands keep their order.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -99,8 +100,7 @@ class Generations:
             seq = scheduler.get(sampled.conv)
             delta = self._next(gen, sampled, len(seq.tokens))
             if delta.finish_reason is not None:
-                delta = Delta(delta.text, delta.tokens, delta.finish_reason, history=delta.history,
-                              stats=stats_of(seq))
+                delta = dataclasses.replace(delta, stats=stats_of(seq))
                 ended.append(sampled.conv)
             self.outbox.emit(gen.sink, delta)
         return ended

@@ -166,6 +166,10 @@ class Tokenizer(Protocol):
 
     def token_text(self, token: int) -> str: ...
 
+    def piece(self, token: int) -> bytes:
+        """The bytes a token stands for (special tokens as their text)."""
+        ...
+
     def special_tokens(self) -> Sequence[SpecialToken]:
         """Every special token, longest text first (the order the tokenizer splits them in)."""
         ...

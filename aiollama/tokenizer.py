@@ -59,6 +59,10 @@ class VocabTokenizer:
         with self._pinned() as vocab:
             return vocab.token_text(token)
 
+    def piece(self, token: int) -> bytes:
+        with self._pinned() as vocab:
+            return vocab.token_to_piece(token, special=True)
+
     def special_tokens(self) -> Sequence[SpecialToken]:
         if self._specials is None:
             with self._pinned() as vocab:

@@ -20,7 +20,7 @@ LAYERS: dict[str, int] = {
     "aiollama._validate": 1, "aiollama.errors": 0, "aiollama.models": 0,
     # pure: the plan, the rules, what crosses the thread boundary
     "aiollama.sampling": 2, "aiollama.text": 2, "aiollama.kvtree": 2, "aiollama.savefile": 2,
-    "aiollama.hostcache": 3, "aiollama.constraints": 3,
+    "aiollama.hostcache": 3, "aiollama.constraints": 3, "aiollama.toolcalls": 2,
     "aiollama.step": 3,
     "aiollama.kvcache": 4, "aiollama.chat": 4, "aiollama.boundary": 4,
     "aiollama.scheduler": 5, "aiollama.outbox": 5,
@@ -29,7 +29,7 @@ LAYERS: dict[str, int] = {
     "aiollama.native": 2,
     "aiollama.tokenizer": 7, "aiollama.executor": 8,
     # the decode thread, which sees llama.cpp only through the Executor interface
-    "aiollama.engine_core": 7, "aiollama.decode_loop": 8,
+    "aiollama.engine_core": 7, "aiollama.decode_loop": 8, "aiollama.embedder": 7,
     # the callers' side
     "aiollama.portal": 7, "aiollama.stream": 8, "aiollama.client": 9, "aiollama.chat_turns": 10,
     "aiollama.conversation": 11, "aiollama.engine": 12,
@@ -38,12 +38,12 @@ LAYERS: dict[str, int] = {
 }
 PURE = {"aiollama.sampling", "aiollama.text", "aiollama.step", "aiollama.kvcache", "aiollama.chat",
         "aiollama.boundary", "aiollama.scheduler", "aiollama.outbox", "aiollama.generations",
-        "aiollama.hostcache", "aiollama.savefile", "aiollama.kvtree", "aiollama.constraints"}
-NO_EVENT_LOOP = PURE | {"aiollama.engine_core", "aiollama.decode_loop", "aiollama.executor", "aiollama.tokenizer", "aiollama.native",
+        "aiollama.hostcache", "aiollama.savefile", "aiollama.kvtree", "aiollama.constraints", "aiollama.toolcalls"}
+NO_EVENT_LOOP = PURE | {"aiollama.engine_core", "aiollama.decode_loop", "aiollama.executor", "aiollama.embedder", "aiollama.tokenizer", "aiollama.native",
                         "aiollama.errors", "aiollama._validate"}
-NATIVE_USERS = {"aiollama.native", "aiollama.tokenizer", "aiollama.executor"}
+NATIVE_USERS = {"aiollama.native", "aiollama.tokenizer", "aiollama.executor", "aiollama.embedder"}
 SERVICES = {"aiollama.live", "aiollama.server", "aiollama.cli", "aiollama.__main__"}
-PUBLIC = {"aiollama", "aiollama.errors", "aiollama.models", "aiollama.sampling"}
+PUBLIC = {"aiollama", "aiollama.errors", "aiollama.models", "aiollama.sampling", "aiollama.toolcalls"}
 EVENT_LOOP_LIBRARIES = {"anyio", "sniffio", "trio", "asyncio"}
 
 

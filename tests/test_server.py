@@ -2,97 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from email.message import Message
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+from server_process import TIMEOUT, Server
+
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.anyio
 
-TIMEOUT = 60
-
-
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # the openai client runs on asyncio
-
-
-class Server:
-    """``aiollama serve MODEL`` (or another command serving on ``--port``) in a process of its own."""
-
-    def __init__(self, model: Path, *options: str, command: tuple[str, ...] = ("-m", "aiollama", "serve"),
-                 health: str = "/health") -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, *command, str(model), "--port", str(self.port), *options],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir())
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            try:
-                if self.get(health)[0] == 200:
-                    return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not start: {self.output()}")
-            time.sleep(0.1)
-
-    def get(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-
-    def post(self, path: str, body: bytes) -> tuple[int, Message, Any]:
-        request = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as r:
-                return r.status, r.headers, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, e.headers, json.loads(e.read())
-
-    def metric(self, name: str) -> float:
-        match = re.search(rf"^{name} (\S+)$", self.get("/metrics")[1], re.M)
-        assert match, name
-        return float(match.group(1))
-
-    def client(self) -> Any:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
-
-    def output(self) -> str:
-        return self.proc.stdout.read() if self.proc.stdout and self.proc.poll() is not None else ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -255,9 +181,16 @@ async def test_sixteen_concurrent_clients_and_metrics_under_load(server: Server)
      ("/v1/completions", b'{"prompt": ""}', "prompt"),
      ("/v1/completions", b'{"prompt": [1, 2, 999999999]}', None),
      ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
-     ("/v1/completions", b'{"prompt": "x", "logprobs": 2}', "logprobs"),
+     ("/v1/completions", b'{"prompt": "x", "logprobs": 99}', "logprobs"),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}', "top_logprobs"),
      ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
-      "tools")],
+      "tools"),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": '
+                              b'{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}',
+      None),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "grammar": "root ::= ("}', None),
+     ("/v1/embeddings", b'{"input": ""}', "input"),
+     ("/v1/embeddings", b'{"input": "x", "encoding_format": "int8"}', "encoding_format")],
 )
 async def test_malformed_requests_get_openai_style_400(server: Server, path: str, body: bytes,
                                                        param: str | None) -> None:

@@ -7,8 +7,10 @@ one conversation and share its prompt's KV cells.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,7 +27,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from aiollama import Chunk, Conversation, Engine, FinishReason, Statistics, Stream
+from aiollama import Chunk, Conversation, Engine, Statistics, Stream
 from aiollama.errors import (
     AiollamaError,
     ClosedError,
@@ -36,11 +38,11 @@ from aiollama.errors import (
 )
 from aiollama.models import default_model
 from aiollama.sampling import seed_for
+from aiollama.server.shape import ChatChoice, TextChoice
+from aiollama.toolcalls import call_schema, tool_names
 from aiollama.server.metrics import Metrics
-from aiollama.server.requests import BadRequest, Request, chat_request, completion_request
+from aiollama.server.requests import BadRequest, Request, chat_request, completion_request, embeddings_request
 
-FINISH = {FinishReason.EOG: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
-          FinishReason.CANCELLED: "stop"}
 
 
 @dataclass
@@ -101,6 +103,7 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
         Route("/v1/models", _endpoint(state, "models", _models), methods=["GET"]),
         Route("/v1/completions", _endpoint(state, "completions", _completions), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(state, "chat", _chat_completions), methods=["POST"]),
+        Route("/v1/embeddings", _endpoint(state, "embeddings", _embeddings), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.aiollama = state
@@ -174,9 +177,26 @@ async def _chat_completions(state: _State, request: HttpRequest) -> Response:
     return await _serve(state, request, chat_request(await _body(request)), chat=True)
 
 
+async def _embeddings(state: _State, request: HttpRequest) -> Response:
+    """``/v1/embeddings``: ``input`` is a string, a list of them, or token ids; ``encoding_format``
+    "float" or "base64" (little-endian float32, as OpenAI's clients decode it)."""
+    texts, encoding = embeddings_request(await _body(request))
+    engine = _engine(state)
+    try:
+        vectors = await engine.embed(texts)
+        n_tokens = sum(len(engine.tokenize(t, add_special=True)) if isinstance(t, str) else len(t) for t in texts)
+    except AiollamaError as exc:
+        raise _translate(exc) from None
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if encoding == "base64" else v}
+            for i, v in enumerate(vectors)]
+    return JSONResponse({"object": "list", "data": data, "model": state.name(),
+                         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+
+
 @dataclass
 class _Job:
-    """One request in flight: its conversations and streams, and what it reports."""
+    """One request in flight: its conversations and streams, and each choice's shaped output."""
 
     id: str
     chat: bool
@@ -186,6 +206,7 @@ class _Job:
     convs: list[Conversation]
     streams: list[Stream]
     started: float
+    choices: list[ChatChoice | TextChoice]
 
     async def close(self) -> None:
         for conv in self.convs:
@@ -196,10 +217,19 @@ def _start(state: _State, req: Request, chat: bool) -> _Job:
     engine = _engine(state)
     root = engine.conversation()
     convs = [root]
+    tools = req.tools if req.tool_choice != "none" else None
     try:
+        if tools:
+            names = tool_names(tools)
+            schema = call_schema(tools, req.tool_choice)
+            if schema is not None:
+                if "grammar" in req.params or "json_schema" in req.params:
+                    raise BadRequest("tool_choice 'required' or a named function constrains the output; give "
+                                     "no response_format, grammar or json_schema with it", param="tool_choice")
+                req.params["json_schema"] = schema
         if chat:
             assert req.messages is not None
-            n_prompt = root.append_chat(req.messages)
+            n_prompt = root.append_chat(req.messages, tools=tools)
         else:
             tokens = engine.tokenize(req.prompt, add_special=True) if isinstance(req.prompt, str) else req.prompt
             assert tokens is not None
@@ -222,8 +252,11 @@ def _start(state: _State, req: Request, chat: bool) -> _Job:
     if req.n > 1:
         root.close_nowait()  # the forks hold what they need
     prefix = "chatcmpl-" if chat else "cmpl-"
+    choices: list[ChatChoice | TextChoice] = [
+        ChatChoice(i, names if tools else [], engine.token_bytes) if chat else TextChoice(i, engine.token_bytes)
+        for i in range(len(streams))]
     return _Job(prefix + uuid.uuid4().hex, chat, state.name(), int(time.time()), n_prompt, convs, streams,
-                time.perf_counter())
+                time.perf_counter(), choices)
 
 
 Item = tuple[int, Chunk | AiollamaError | None]
@@ -271,7 +304,6 @@ async def _serve(state: _State, request: HttpRequest, req: Request, chat: bool) 
     if req.stream:
         return StreamingResponse(_events(job, state, req), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    texts = [""] * len(job.streams)
     completion_tokens = 0
     error: AiollamaError | None = None
     try:
@@ -283,7 +315,7 @@ async def _serve(state: _State, request: HttpRequest, req: Request, chat: bool) 
                         error = item
                         break
                     if item is not None:
-                        texts[i] += item.text
+                        job.choices[i].feed(item)
                         completion_tokens += len(item.tokens)
             tg.cancel_scope.cancel()
     finally:
@@ -291,27 +323,10 @@ async def _serve(state: _State, request: HttpRequest, req: Request, chat: bool) 
             await job.close()
     if error is not None:
         raise _translate(error)
-    choices = [_choice(job, i, text, _finish(job.streams[i]))
-               for i, text in enumerate(texts)]
+    choices = [choice.message(job.streams[i].finish_reason) for i, choice in enumerate(job.choices)]
     return JSONResponse({"id": job.id, "object": "chat.completion" if chat else "text_completion",
                          "created": job.created, "model": job.model, "choices": choices,
                          "usage": _usage(job, completion_tokens)})
-
-
-def _finish(stream: Stream) -> str:
-    return FINISH.get(stream.finish_reason, "stop")  # type: ignore[arg-type]
-
-
-def _choice(job: _Job, i: int, text: str, finish: str | None) -> dict[str, Any]:
-    if job.chat:
-        return {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-    return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-
-
-def _delta(job: _Job, i: int, text: str, finish: str | None) -> dict[str, Any]:
-    if job.chat:
-        return {"index": i, "delta": {"content": text} if text else {}, "finish_reason": finish}
-    return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
 
 
 def _usage(job: _Job, completion_tokens: int) -> dict[str, Any]:
@@ -353,12 +368,12 @@ async def _events(job: _Job, state: _State, req: Request) -> AsyncIterator[str]:
                     error = item
                     break
                 if item is None:
-                    finish = _finish(job.streams[i])
-                    yield event([_delta(job, i, "", finish)])
+                    for delta in job.choices[i].finish(job.streams[i].finish_reason):
+                        yield event([delta])
                 else:
                     completion_tokens += len(item.tokens)
-                    if item.text:
-                        yield event([_delta(job, i, item.text, None)])
+                    for delta in job.choices[i].feed(item):
+                        yield event([delta])
         if error is not None:
             yield f"data: {json.dumps(_translate(error).body())}\n\n"
         if req.include_usage:

@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiollama.errors import InvalidRequestError
 from aiollama.sampling import wrap_seed
+from aiollama.toolcalls import tool_names
 
 MAX_N = 16
 MAX_STOP = 4
@@ -26,14 +28,17 @@ class BadRequest(Exception):
 
 @dataclass
 class Request:
-    """One completion request: the prompt (text, token ids or chat messages) and how to sample."""
+    """One completion request: the prompt (text, token ids or chat messages), how to sample, and
+    what to answer with (log-probabilities, tool calls)."""
 
     prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     n: int = 1
     stream: bool = False
     include_usage: bool = False
     params: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = "auto"
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -76,6 +81,31 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
         value = _number(body, name, -2.0, 2.0)
         if value is not None:
             params[name] = value
+    # llama-server's extensions
+    top_k = _integer(body, "top_k", 0)
+    if top_k is not None:
+        params["top_k"] = top_k
+    min_p = _number(body, "min_p", 0.0, 1.0)
+    if min_p is not None:
+        params["min_p"] = min_p
+    repeat_penalty = _number(body, "repeat_penalty", 0.0, 10.0)
+    if repeat_penalty is not None:
+        if repeat_penalty == 0.0:
+            raise BadRequest("'repeat_penalty' must be > 0", param="repeat_penalty")
+        params["repeat_penalty"] = repeat_penalty
+    for name in ("grammar", "json_schema"):
+        value = body.get(name)
+        if value is not None:
+            if (name == "grammar" and not isinstance(value, str)) or (name == "json_schema" and not isinstance(value, dict)):
+                raise BadRequest(f"'{name}' must be a {'string' if name == 'grammar' else 'JSON object'}", param=name)
+            params[name] = value
+    response_format = body.get("response_format")
+    if response_format is not None:
+        schema = _response_format(response_format)
+        if schema is not None:
+            if "grammar" in params or "json_schema" in params:
+                raise BadRequest("give either response_format or grammar/json_schema", param="response_format")
+            params["json_schema"] = schema
     seed = _integer(body, "seed", -(2**63))
     if seed is not None:
         params["seed"] = wrap_seed(seed)
@@ -96,15 +126,32 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
     return params
 
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "echo", "suffix", "response_format")
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """The JSON schema a ``response_format`` asks for (None: plain text)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format.json_schema.schema must be a JSON object",
+                             param="response_format.json_schema.schema")
+        return schema
+    raise BadRequest("response_format.type must be 'text', 'json_object' or 'json_schema'", param="response_format")
+
+
+UNSUPPORTED = ("functions", "echo", "suffix")  # refused rather than ignored: the answer would differ
 
 
 def _common(body: Any, default_max_tokens: int | None) -> Request:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    for name in UNSUPPORTED:  # refused rather than silently ignored: the answer would not be what was asked
+    for name in UNSUPPORTED:
         value = body.get(name)
-        if value not in (None, False, [], {}) and not (name == "response_format" and value == {"type": "text"}):
+        if value not in (None, False, [], {}):
             raise BadRequest(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
     if (body.get("best_of") or 1) != 1:
         raise BadRequest("'best_of' is not supported by this server; use 'n'", param="best_of",
@@ -116,13 +163,18 @@ def _common(body: Any, default_max_tokens: int | None) -> Request:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")),
-                   params=_sampling(body, default_max_tokens))
+    params = _sampling(body, default_max_tokens)
+    if default_max_tokens is None and "max_tokens" not in params:
+        params["max_tokens"] = None  # until the model ends its turn or the context is full
+    return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")), params=params)
 
 
 def completion_request(body: Any) -> Request:
     """``/v1/completions``: ``prompt`` is a string or a list of token ids."""
     request = _common(body, default_max_tokens=16)  # OpenAI's default for completions
+    logprobs = _integer(body, "logprobs", 0, 20)  # the legacy API: how many alternatives
+    if logprobs is not None:
+        request.params.update(logprobs=True, top_logprobs=logprobs)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -139,6 +191,25 @@ def completion_request(body: Any) -> Request:
 def chat_request(body: Any) -> Request:
     """``/v1/chat/completions``: ``messages`` with string content, or text parts."""
     request = _common(body, default_max_tokens=None)  # until the model ends its turn
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise BadRequest("'logprobs' must be a boolean", param="logprobs")
+    top = _integer(body, "top_logprobs", 0, 20)
+    if top is not None and not logprobs:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if logprobs:
+        request.params.update(logprobs=True, top_logprobs=top or 0)
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise BadRequest("'tools' must be a list of tool objects", param="tools")
+        try:
+            tool_names(tools)
+        except InvalidRequestError as exc:
+            raise BadRequest(str(exc), param="tools") from None
+        request.tools = tools or None
+    if "tool_choice" in body:
+        request.tool_choice = body["tool_choice"]
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
@@ -157,6 +228,34 @@ def chat_request(body: Any) -> Request:
             content = ""
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
-        out.append({"role": message["role"], "content": content})
+        item = {"role": message["role"], "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if message.get(key) is not None:
+                item[key] = message[key]
+        out.append(item)
     request.messages = out
     return request
+
+
+def embeddings_request(body: Any) -> tuple[Any, str]:
+    """``/v1/embeddings``: the texts (or token id lists) and the encoding asked for."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    value = body.get("input")
+    if isinstance(value, str):
+        value = [value]
+    elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        value = [value]
+    ok = isinstance(value, list) and bool(value) and (
+        all(isinstance(t, str) and t for t in value)
+        or all(isinstance(t, list) and t and all(isinstance(x, int) and not isinstance(x, bool) for x in t)
+               for t in value))
+    if not ok:
+        raise BadRequest("'input' must be a non-empty string, a list of them, or token ids", param="input")
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise BadRequest("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    if body.get("dimensions") is not None:
+        raise BadRequest("'dimensions' is not supported by this server", param="dimensions",
+                         code="unsupported_parameter")
+    return value, encoding

@@ -1,0 +1,156 @@
+"""OpenAI's shapes of generated output: messages and streamed deltas with reasoning, tool calls and
+log-probabilities, for chat and for the legacy completions API."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiollama import Chunk, FinishReason
+from aiollama.toolcalls import THINK_END, THINK_START, ToolCall, might_be_call, parse, split_reasoning
+
+FINISH = {FinishReason.EOG: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+          FinishReason.CANCELLED: "stop"}
+
+TokenBytes = Callable[[int], bytes]
+
+
+def chat_logprobs(chunk_logprobs: list[Any], token_bytes: TokenBytes) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content`` entries for some tokens."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        raw = token_bytes(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+            for lp in chunk_logprobs]
+
+
+def completion_logprobs(chunk_logprobs: list[Any], token_bytes: TokenBytes, offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for some tokens, their text starting at ``offset``."""
+    tokens, offsets = [], []
+    for lp in chunk_logprobs:
+        text = token_bytes(lp.token).decode("utf-8", "replace")
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in chunk_logprobs],
+            "top_logprobs": [{token_bytes(t).decode("utf-8", "replace"): p for t, p in lp.top}
+                             for lp in chunk_logprobs],
+            "text_offset": offsets}
+
+
+class ChatChoice:
+    """One chat choice as it streams: text between thinking markers goes to ``reasoning_content``;
+    when tools are offered, text that may be a tool call is held back until the end, where it
+    becomes ``tool_calls`` (finish reason "tool_calls") or content after all."""
+
+    def __init__(self, index: int, tool_names: list[str], token_bytes: TokenBytes) -> None:
+        self.index = index
+        self.tool_names = tool_names
+        self.token_bytes = token_bytes
+        self.raw = ""
+        self.sent_reasoning = 0
+        self.sent_content = 0
+        self.logprobs: list[dict[str, Any]] = []
+
+    def _parts(self) -> tuple[str, str, bool]:
+        """(reasoning, content, reasoning still open) of the text so far."""
+        stripped = self.raw.lstrip()
+        if stripped.startswith(THINK_START) and THINK_END not in stripped:
+            return stripped[len(THINK_START):], "", True
+        if not stripped.startswith(THINK_START) and THINK_START.startswith(stripped):
+            return "", "", True  # too early to tell
+        reasoning, content = split_reasoning(self.raw)
+        return reasoning, content, False
+
+    def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
+        """The deltas to send now for a chunk."""
+        self.raw += chunk.text
+        out: list[dict[str, Any]] = []
+        reasoning, content, open_ = self._parts()
+        if open_:  # hold back what could be the start of the closing marker
+            reasoning = _without_partial(reasoning, THINK_END)
+        if len(reasoning) > self.sent_reasoning:
+            out.append({"reasoning_content": reasoning[self.sent_reasoning:]})
+            self.sent_reasoning = len(reasoning)
+        if not open_ and not (self.tool_names and might_be_call(content)) and len(content) > self.sent_content:
+            out.append({"content": content[self.sent_content:]})
+            self.sent_content = len(content)
+        deltas = [self.delta(part) for part in out]
+        if chunk.logprobs:
+            entries = chat_logprobs(chunk.logprobs, self.token_bytes)
+            self.logprobs += entries
+            if not deltas:
+                deltas.append(self.delta({}))
+            deltas[-1]["logprobs"] = {"content": entries}
+        return deltas
+
+    def finish(self, reason: FinishReason | None) -> list[dict[str, Any]]:
+        """The last deltas: what was held back, tool calls, and the finish reason."""
+        reasoning, content, _ = self._parts()
+        calls = self.calls(content)
+        out = []
+        if len(reasoning) > self.sent_reasoning:
+            out.append(self.delta({"reasoning_content": reasoning[self.sent_reasoning:]}))
+        if calls:
+            out.append(self.delta({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]}))
+        elif len(content) > self.sent_content:
+            out.append(self.delta({"content": content[self.sent_content:]}))
+        out.append(self.delta({}, "tool_calls" if calls else FINISH.get(reason or FinishReason.EOG, "stop")))
+        return out
+
+    def calls(self, content: str) -> list[ToolCall]:
+        return parse(content, self.tool_names)[1] if self.tool_names else []
+
+    def message(self, reason: FinishReason | None) -> dict[str, Any]:
+        """The whole choice, for a response that does not stream."""
+        reasoning, content, _ = self._parts()
+        calls = self.calls(content)
+        message: dict[str, Any] = {"role": "assistant", "content": None if calls else content}
+        if calls:
+            message["content"] = parse(content, self.tool_names)[0] or None
+            message["tool_calls"] = [c.openai() for c in calls]
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return {"index": self.index, "message": message,
+                "logprobs": {"content": self.logprobs} if self.logprobs else None,
+                "finish_reason": "tool_calls" if calls else FINISH.get(reason or FinishReason.EOG, "stop")}
+
+    def delta(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+class TextChoice:
+    """One legacy completion choice: text, and log-probabilities in the legacy shape."""
+
+    def __init__(self, index: int, token_bytes: TokenBytes) -> None:
+        self.index = index
+        self.token_bytes = token_bytes
+        self.text = ""
+        self.logprobs: list[Any] = []
+
+    def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
+        offset = len(self.text)
+        self.text += chunk.text
+        self.logprobs += chunk.logprobs
+        if not chunk.text and not chunk.logprobs:
+            return []
+        lp = completion_logprobs(chunk.logprobs, self.token_bytes, offset) if chunk.logprobs else None
+        return [{"index": self.index, "text": chunk.text, "logprobs": lp, "finish_reason": None}]
+
+    def finish(self, reason: FinishReason | None) -> list[dict[str, Any]]:
+        return [{"index": self.index, "text": "", "logprobs": None,
+                 "finish_reason": FINISH.get(reason or FinishReason.EOG, "stop")}]
+
+    def message(self, reason: FinishReason | None) -> dict[str, Any]:
+        lp = completion_logprobs(self.logprobs, self.token_bytes, 0) if self.logprobs else None
+        return {"index": self.index, "text": self.text, "logprobs": lp,
+                "finish_reason": FINISH.get(reason or FinishReason.EOG, "stop")}
+
+
+def _without_partial(text: str, marker: str) -> str:
+    """``text`` less a tail that could be the start of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return text[:-k]
+    return text
