@@ -60,7 +60,7 @@ class ChatTurns:
                 core.check_template_text(text)
         template = core.chat_template
         if tools and not template.supports_tools:
-            new = self._tools_as_text(new, tools)
+            new = tools_as_text(new, tools, first=self.given is None)
             tools = None
         protected, contents = protect(new)
         if self.given is None:
@@ -84,22 +84,6 @@ class ChatTurns:
         if not tokens:
             raise ChatTemplateError("the chat template rendered nothing for these messages")
         return tokens, new
-
-    def _tools_as_text(self, new: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        out = []
-        for message in new:
-            if message.get("tool_calls"):
-                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                         for c in message["tool_calls"]]
-                text = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
-                message = {"role": message["role"], "content": (message["content"] + "\n" + text).strip()}
-            out.append(message)
-        if self.given is None:  # the first turn: offer the tools in the system message
-            if out and out[0]["role"] == "system":
-                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + describe(tools)}
-            else:
-                out.insert(0, {"role": "system", "content": describe(tools)})
-        return out
 
     def appended(self, start: int, n_tokens: int, new: list[dict[str, str]]) -> None:
         """A turn of ``n_tokens`` was appended at history length ``start``."""
@@ -169,3 +153,23 @@ def _reply_of(state: dict[str, Any] | None) -> Collector | None:
     if state is None:
         return None
     return Collector([str(state["text"])], [int(t) for t in state["tokens"]], FinishReason(state["finish_reason"]))
+
+
+def tools_as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, first: bool) -> list[dict[str, Any]]:
+    """Messages for a template without a place for tools: earlier calls written as JSON in their
+    message, and (``first``: the conversation's first turn) the tools described in the system
+    message, as llama-server does."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                     for c in message["tool_calls"]]
+            text = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+            message = {"role": message["role"], "content": (message["content"] + "\n" + text).strip()}
+        out.append(message)
+    if first:
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + describe(tools)}
+        else:
+            out.insert(0, {"role": "system", "content": describe(tools)})
+    return out

@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from aiollama import constraints
+from aiollama import constraints, reasoning
 from aiollama.boundary import Admission, Command, EngineConfig, Portal, Statistics
 from aiollama.chat import ChatTemplate, Segment, chat_tokens
 from aiollama.decode_loop import DecodeLoop
@@ -37,6 +37,7 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._tokenizer: Tokenizer | None = None
         self._chat_template: ChatTemplate | None = None
+        self._thinking: tuple[int, int] | None | bool = False  # False: not looked up yet
 
     # lifetime
 
@@ -128,10 +129,31 @@ class EngineClient:
         tokenizer = self.tokenizer
         return [tokenizer.check_token(t) for t in content]
 
-    def constraint(self, params: SamplingParams) -> Any:
+    @property
+    def thinking_tokens(self) -> tuple[int, int] | None:
+        """The tokens ``<think>`` and ``</think>`` of a reasoning model (each one token of its
+        vocabulary), or None."""
+        if self._thinking is False:
+            tokenizer, found = self.tokenizer, []
+            for marker in (reasoning.START, reasoning.END):
+                ids = tokenizer.tokenize(marker, add_special=False, special=True)
+                if len(ids) == 1 and tokenizer.token_text(ids[0]) == marker:
+                    found.append(ids[0])
+            self._thinking = (found[0], found[1]) if len(found) == 2 else None
+        assert self._thinking is not True
+        return self._thinking
+
+    def in_thinking(self, prompt_tail: Sequence[int]) -> bool:
+        """Whether a prompt ending with these tokens leaves the model inside a thinking block."""
+        return reasoning.opened(self.detokenize(prompt_tail))
+
+    def constraint(self, params: SamplingParams, *, inside_thinking: bool = False) -> Any:
         """The compiled constraint (an llguidance matcher) ``params`` ask for, or None. Raises
-        GrammarError if it does not compile: a stream never runs unconstrained by mistake."""
-        return constraints.compile_for(params, lambda: self.tokenizer.guidance())
+        GrammarError if it does not compile: a stream never runs unconstrained by mistake. For a
+        reasoning model the constraint starts after the thinking block (``inside_thinking``: the
+        prompt opened it)."""
+        return constraints.compile_for(params, lambda: self.tokenizer.guidance(), thinking=self.thinking_tokens,
+                                       inside=inside_thinking)
 
     # chat
 

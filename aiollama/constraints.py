@@ -82,6 +82,23 @@ def grammar_of(params: SamplingParams) -> str | None:
     return None
 
 
+def after_thinking(grammar: str, start: int, end: int, *, eog: Sequence[int], inside: bool) -> str:
+    """``grammar`` preceded by a thinking block, for a reasoning model whose markers are the tokens
+    ``start`` and ``end``: the model may think first (must, to the end of the block, when the
+    prompt opened it: ``inside``), and the constraint applies from the closing marker on. A
+    thinking block may hold any token but the markers (blocks do not nest) and the
+    end-of-generation tokens ``eog``: a reply cannot end before its constrained part."""
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    first, *rest = top["grammars"]
+    name = first.get("name") or "constraint"
+    barred = ",".join(str(t) for t in sorted({start, end, *eog}))
+    block = f"<[^{barred}]>* <[{end}]> /[ \\t\\r\\n]{{0,4}}/"  # the blank lines models write after it
+    if not inside:
+        block = f"(<[{start}]> {block})?"
+    wrapper = {"name": "after_thinking", "lark_grammar": f"start: {block} @{name}\n"}
+    return json.dumps({**top, "grammars": [wrapper, {**first, "name": name}, *rest]})
+
+
 def matcher(tokenizer: LLTokenizer, grammar: str) -> LLMatcher:
     """A matcher at the start of ``grammar``. Raises GrammarError if it does not compile."""
     m = LLMatcher(tokenizer, grammar, log_level=0)
@@ -90,10 +107,17 @@ def matcher(tokenizer: LLTokenizer, grammar: str) -> LLMatcher:
     return m
 
 
-def compile_for(params: SamplingParams, tokenizer: Callable[[], LLTokenizer]) -> LLMatcher | None:
-    """The matcher a stream's parameters ask for, or None."""
+def compile_for(params: SamplingParams, tokenizer: Callable[[], LLTokenizer], *,
+                thinking: tuple[int, int] | None = None, inside: bool = False) -> LLMatcher | None:
+    """The matcher a stream's parameters ask for, or None. ``thinking``: the tokens that open and
+    close a reasoning model's thinking block, which comes before the constraint."""
     grammar = grammar_of(params)
-    return None if grammar is None else matcher(tokenizer(), grammar)
+    if grammar is None:
+        return None
+    vocabulary = tokenizer()
+    if thinking is not None:
+        grammar = after_thinking(grammar, *thinking, eog=vocabulary.eos_tokens, inside=inside)
+    return matcher(vocabulary, grammar)
 
 
 class Masks:

@@ -196,7 +196,8 @@ class _ConversationBase:
         self._check()
         sampling = SamplingParams.from_kwargs(**params)
         self._check_idle()
-        matcher = self._core.constraint(sampling)
+        inside = self._core.in_thinking(self._history.tokens[-4:])
+        matcher = self._core.constraint(sampling, inside_thinking=inside)
         admission = self._core.admission
         if not admission.enter():
             raise Overloaded(f"{admission.limit} generations are already waiting (max_queued); retry later")
@@ -210,6 +211,7 @@ class _ConversationBase:
             raise
         self._chat.streaming(start, stream._result)
         stream._result.tool_names, self._tool_names = self._tool_names, []
+        stream._result.in_thinking = inside
         self._last_stream = weakref.ref(stream)
 
     def _close_command(self, ack: AsyncSink | ThreadSink) -> bool:

@@ -19,7 +19,7 @@ import anyio
 from aiollama import savefile
 from aiollama.boundary import ClearCache, Delta, Embed, EngineConfig, Item, Load, NewConversation, Statistics, Vectors
 from aiollama.chat import Messages, normalize
-from aiollama.chat_turns import ChatTurns
+from aiollama.chat_turns import ChatTurns, tools_as_text
 from aiollama.client import EngineClient
 from aiollama.conversation import Completion, Conversation, SyncConversation
 from aiollama.errors import ConversationFileError, EngineClosed, EngineDead, InvalidRequestError
@@ -28,6 +28,7 @@ from aiollama.models import default_model
 from aiollama.portal import AsyncSink, ThreadSink, current_portal
 from aiollama.sampling import seed_for
 from aiollama.step import Executor
+from aiollama.toolcalls import tool_names
 
 ExecutorFactory = Callable[[EngineConfig], Executor]
 
@@ -105,10 +106,17 @@ class _EngineBase:
         """The bytes a token stands for (special tokens as their text); thread-safe."""
         return self._client.tokenizer.piece(token)
 
-    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
-        """The text the model's chat template makes of ``messages``: the prompt ``chat()`` evaluates
-        for a new conversation. Raises ``ChatTemplateError`` for malformed messages."""
-        return self._client.chat_template.render(normalize(messages), add_generation_prompt)
+    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The text the model's chat template makes of ``messages`` (offering ``tools``): the prompt
+        ``chat()`` evaluates for a new conversation. Raises ``ChatTemplateError`` for malformed
+        messages, ``InvalidRequestError`` for a malformed tool."""
+        template, new = self._client.chat_template, normalize(messages)
+        if tools:
+            tool_names(tools)
+            if not template.supports_tools:
+                new, tools = tools_as_text(new, tools, first=True), None
+        return template.render(new, add_generation_prompt, tools or None)
 
     def statistics(self) -> Statistics:
         """The engine's counters after the latest decode step (conversations, KV cells, tokens, time)."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 
+from aiollama import reasoning
 from aiollama.boundary import Delta, FinishReason, GenerationStats, Item, TokenLogprob
 from aiollama.portal import AsyncSink, ThreadSink
 from aiollama.toolcalls import ToolCall, parse
@@ -35,8 +36,10 @@ class Chunk:
 @dataclass(frozen=True)
 class Completion:
     """A whole generation: ``finish_reason`` is EOG, STOP, LENGTH or CANCELLED; ``stats`` says what
-    it cost (None when the engine closed under it). When the chat turn offered tools, ``tool_calls``
-    are the calls the text makes (see :mod:`aiollama.toolcalls`)."""
+    it cost (None when the engine closed under it). ``reasoning`` is the text of a thinking block
+    at its start (see :mod:`aiollama.reasoning`) and ``content`` the rest: all of ``text`` for a
+    model that does not think, and what a constraint matched. When the chat turn offered tools,
+    ``tool_calls`` are the calls the content makes (see :mod:`aiollama.toolcalls`)."""
 
     text: str
     tokens: list[int]
@@ -44,6 +47,8 @@ class Completion:
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""
+    content: str = ""
 
 
 class TokenHistory:
@@ -146,6 +151,7 @@ class Collector:
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_names: list[str] = field(default_factory=list)  # the tools offered: parse calls at the end
+    in_thinking: bool = False  # the prompt opened a thinking block
 
     def take(self, item: Item) -> Chunk | None:
         """Record a delta; return the chunk to hand out, or None when there is nothing to show."""
@@ -173,9 +179,10 @@ class Collector:
 
     def completion(self) -> Completion:
         text = self.text
-        calls = parse(text, self.tool_names)[1] if self.tool_names else []
+        thought, content = reasoning.split(text, inside=self.in_thinking)
+        calls = parse(content, self.tool_names)[1] if self.tool_names else []
         return Completion(text, list(self.tokens), self.finish_reason or FinishReason.CANCELLED, self.stats,
-                          list(self.logprobs), calls)
+                          list(self.logprobs), calls, thought, content)
 
 
 class StreamBase:
@@ -207,6 +214,12 @@ class StreamBase:
     def _take(self, item: Item) -> Chunk | None:
         self._history.read(item)
         return self._result.take(item)
+
+    @property
+    def in_thinking(self) -> bool:
+        """The prompt ended inside a thinking block (the template opened it): the text starts as
+        reasoning, until ``</think>``."""
+        return self._result.in_thinking
 
     @property
     def finish_reason(self) -> FinishReason | None:

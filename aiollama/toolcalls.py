@@ -1,4 +1,4 @@
-"""Tool calls and reasoning in generated text, and what a model without tool support is told.
+"""Tool calls in generated text, and what a model without tool support is told.
 
 Models write tool calls in a few formats; :func:`parse` reads them into OpenAI-style calls:
 
@@ -23,7 +23,6 @@ from typing import Any
 
 from aiollama.errors import InvalidRequestError
 
-THINK_START, THINK_END = "<think>", "</think>"
 MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
@@ -110,18 +109,6 @@ def might_be_call(text: str) -> bool:
     """Whether streamed text so far could be the start of a tool call (hold it back until known)."""
     stripped = text.lstrip()
     return not stripped or any(stripped.startswith(m) or m.startswith(stripped) for m in MARKERS)
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """``(reasoning, content)``: text between the thinking markers at the start, and the rest."""
-    stripped = text.lstrip()
-    if not stripped.startswith(THINK_START):
-        if THINK_END in text and THINK_START not in text:  # the template opened the block itself
-            reasoning, _, content = text.partition(THINK_END)
-            return reasoning.strip(), content.lstrip()
-        return "", text
-    reasoning, _, content = stripped[len(THINK_START):].partition(THINK_END)
-    return reasoning.strip(), content.lstrip()
 
 
 def call_schema(tools: Sequence[Mapping[str, Any]], choice: Any) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ PACKAGE = Path(aiollama.__file__).resolve().parent
 LAYERS: dict[str, int] = {
     # base: no aiollama imports beyond each other
     "aiollama._validate": 1, "aiollama.errors": 0, "aiollama.models": 0,
+    "aiollama.reasoning": 1,
     # pure: the plan, the rules, what crosses the thread boundary
     "aiollama.sampling": 2, "aiollama.text": 2, "aiollama.kvtree": 2, "aiollama.savefile": 2,
     "aiollama.hostcache": 3, "aiollama.constraints": 3, "aiollama.toolcalls": 2,
@@ -38,12 +39,14 @@ LAYERS: dict[str, int] = {
 }
 PURE = {"aiollama.sampling", "aiollama.text", "aiollama.step", "aiollama.kvcache", "aiollama.chat",
         "aiollama.boundary", "aiollama.scheduler", "aiollama.outbox", "aiollama.generations",
-        "aiollama.hostcache", "aiollama.savefile", "aiollama.kvtree", "aiollama.constraints", "aiollama.toolcalls"}
+        "aiollama.hostcache", "aiollama.savefile", "aiollama.kvtree", "aiollama.constraints", "aiollama.toolcalls",
+        "aiollama.reasoning"}
 NO_EVENT_LOOP = PURE | {"aiollama.engine_core", "aiollama.decode_loop", "aiollama.executor", "aiollama.embedder", "aiollama.tokenizer", "aiollama.native",
                         "aiollama.errors", "aiollama._validate"}
 NATIVE_USERS = {"aiollama.native", "aiollama.tokenizer", "aiollama.executor", "aiollama.embedder"}
 SERVICES = {"aiollama.live", "aiollama.server", "aiollama.cli", "aiollama.__main__"}
-PUBLIC = {"aiollama", "aiollama.errors", "aiollama.models", "aiollama.sampling", "aiollama.toolcalls"}
+PUBLIC = {"aiollama", "aiollama.errors", "aiollama.models", "aiollama.sampling", "aiollama.toolcalls",
+          "aiollama.reasoning"}
 EVENT_LOOP_LIBRARIES = {"anyio", "sniffio", "trio", "asyncio"}
 
 

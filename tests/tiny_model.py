@@ -287,3 +287,60 @@ def bert_model(cache: Path, tokenizer_source: Path) -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         write_bert_model(path, tokenizer_source)
     return path
+
+
+# A Qwen-style template: tools in a system turn, calls in <tool_call> tags, tool results as
+# <tool_response> user turns, and a generation prompt that opens a thinking block (as reasoning
+# models' templates do).
+QWEN_STYLE_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{% if m.content %}{{ m.content }}{% endif %}
+{%- for c in m.tool_calls or [] %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments if c.function.arguments is string \
+else c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.role != 'system' %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if open_thinking is not defined or open_thinking %}<think>
+{% endif %}{% endif %}"""
+
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def reasoning_model(cache: Path, tokenizer_source: Path, *, opens_thinking: bool = True) -> Path:
+    """The tiny model with SmolLM2's vocabulary plus ``<think>`` and ``</think>`` (user-defined
+    tokens, as in Qwen3) and the Qwen-style template above, which opens a thinking block in its
+    generation prompt (or, with ``opens_thinking=False``, leaves the model to open one)."""
+    path = cache / f"tiny-reasoning-v1-{'opens' if opens_thinking else 'plain'}.gguf"
+    if not path.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        fields = {k: f.contents() for k, f in copy_tokenizer(tokenizer_source).items()}  # type: ignore[attr-defined]
+        fields["tokenizer.ggml.tokens"] = list(fields["tokenizer.ggml.tokens"]) + list(THINK_TOKENS)  # type: ignore[call-overload]
+        fields["tokenizer.ggml.token_type"] = list(fields["tokenizer.ggml.token_type"]) + [4, 4]  # type: ignore[call-overload]
+        template = QWEN_STYLE_TEMPLATE if opens_thinking else QWEN_STYLE_TEMPLATE.replace(
+            "{% if open_thinking is not defined or open_thinking %}<think>\n{% endif %}", "")
+        fields["tokenizer.chat_template"] = template
+        write_tiny_model(path, None, tokenizer=fields, seed=3)
+    return path

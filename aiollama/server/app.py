@@ -253,8 +253,9 @@ def _start(state: _State, req: Request, chat: bool) -> _Job:
         root.close_nowait()  # the forks hold what they need
     prefix = "chatcmpl-" if chat else "cmpl-"
     choices: list[ChatChoice | TextChoice] = [
-        ChatChoice(i, names if tools else [], engine.token_bytes) if chat else TextChoice(i, engine.token_bytes)
-        for i in range(len(streams))]
+        ChatChoice(i, names if tools else [], engine.token_bytes, in_thinking=stream.in_thinking) if chat
+        else TextChoice(i, engine.token_bytes)
+        for i, stream in enumerate(streams)]
     return _Job(prefix + uuid.uuid4().hex, chat, state.name(), int(time.time()), n_prompt, convs, streams,
                 time.perf_counter(), choices)
 

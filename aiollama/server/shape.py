@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aiollama import Chunk, FinishReason
-from aiollama.toolcalls import THINK_END, THINK_START, ToolCall, might_be_call, parse, split_reasoning
+from aiollama import reasoning
+from aiollama.toolcalls import ToolCall, might_be_call, parse
 
 FINISH = {FinishReason.EOG: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
           FinishReason.CANCELLED: "stop"}
@@ -44,9 +45,10 @@ class ChatChoice:
     when tools are offered, text that may be a tool call is held back until the end, where it
     becomes ``tool_calls`` (finish reason "tool_calls") or content after all."""
 
-    def __init__(self, index: int, tool_names: list[str], token_bytes: TokenBytes) -> None:
+    def __init__(self, index: int, tool_names: list[str], token_bytes: TokenBytes, *, in_thinking: bool = False) -> None:
         self.index = index
         self.tool_names = tool_names
+        self.in_thinking = in_thinking  # the prompt opened a thinking block
         self.token_bytes = token_bytes
         self.raw = ""
         self.sent_reasoning = 0
@@ -54,25 +56,20 @@ class ChatChoice:
         self.logprobs: list[dict[str, Any]] = []
 
     def _parts(self) -> tuple[str, str, bool]:
-        """(reasoning, content, reasoning still open) of the text so far."""
-        stripped = self.raw.lstrip()
-        if stripped.startswith(THINK_START) and THINK_END not in stripped:
-            return stripped[len(THINK_START):], "", True
-        if not stripped.startswith(THINK_START) and THINK_START.startswith(stripped):
-            return "", "", True  # too early to tell
-        reasoning, content = split_reasoning(self.raw)
-        return reasoning, content, False
+        """(reasoning, content, reasoning still open or too early to tell) of the text so far."""
+        thought, content = reasoning.split(self.raw, inside=self.in_thinking)
+        return thought, content, reasoning.pending(self.raw, inside=self.in_thinking)
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
         """The deltas to send now for a chunk."""
         self.raw += chunk.text
         out: list[dict[str, Any]] = []
-        reasoning, content, open_ = self._parts()
+        thought, content, open_ = self._parts()
         if open_:  # hold back what could be the start of the closing marker
-            reasoning = _without_partial(reasoning, THINK_END)
-        if len(reasoning) > self.sent_reasoning:
-            out.append({"reasoning_content": reasoning[self.sent_reasoning:]})
-            self.sent_reasoning = len(reasoning)
+            thought = _without_partial(thought, reasoning.END)
+        if len(thought) > self.sent_reasoning:
+            out.append({"reasoning_content": thought[self.sent_reasoning:]})
+            self.sent_reasoning = len(thought)
         if not open_ and not (self.tool_names and might_be_call(content)) and len(content) > self.sent_content:
             out.append({"content": content[self.sent_content:]})
             self.sent_content = len(content)
@@ -87,11 +84,11 @@ class ChatChoice:
 
     def finish(self, reason: FinishReason | None) -> list[dict[str, Any]]:
         """The last deltas: what was held back, tool calls, and the finish reason."""
-        reasoning, content, _ = self._parts()
+        thought, content, _ = self._parts()
         calls = self.calls(content)
         out = []
-        if len(reasoning) > self.sent_reasoning:
-            out.append(self.delta({"reasoning_content": reasoning[self.sent_reasoning:]}))
+        if len(thought) > self.sent_reasoning:
+            out.append(self.delta({"reasoning_content": thought[self.sent_reasoning:]}))
         if calls:
             out.append(self.delta({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]}))
         elif len(content) > self.sent_content:
@@ -104,14 +101,14 @@ class ChatChoice:
 
     def message(self, reason: FinishReason | None) -> dict[str, Any]:
         """The whole choice, for a response that does not stream."""
-        reasoning, content, _ = self._parts()
+        thought, content, _ = self._parts()
         calls = self.calls(content)
         message: dict[str, Any] = {"role": "assistant", "content": None if calls else content}
         if calls:
             message["content"] = parse(content, self.tool_names)[0] or None
             message["tool_calls"] = [c.openai() for c in calls]
-        if reasoning:
-            message["reasoning_content"] = reasoning
+        if thought:
+            message["reasoning_content"] = thought
         return {"index": self.index, "message": message,
                 "logprobs": {"content": self.logprobs} if self.logprobs else None,
                 "finish_reason": "tool_calls" if calls else FINISH.get(reason or FinishReason.EOG, "stop")}

@@ -1,0 +1,185 @@
+"""Reasoning models and tool-capable templates: thinking blocks are told apart from the answer (in
+the library's completions and the server's ``reasoning_content``), a constraint starts after the
+thinking block, and tools reach a template that has a place for them. The model is the tiny one
+with SmolLM2's vocabulary plus ``<think>``/``</think>`` tokens and a Qwen-style template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import aiollama
+from aiollama import Chunk, Engine, FinishReason, reasoning
+from aiollama.server.shape import ChatChoice
+from tiny_model import reasoning_model
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["answer"]}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def opening_model(smollm2_path: Path) -> Path:
+    """Its template opens a thinking block in the generation prompt."""
+    return reasoning_model(aiollama.cache_dir() / "test-models", smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def plain_model(smollm2_path: Path) -> Path:
+    """Its template leaves the model to open a thinking block (or not)."""
+    return reasoning_model(aiollama.cache_dir() / "test-models", smollm2_path, opens_thinking=False)
+
+
+# the text
+
+
+@pytest.mark.parametrize(("text", "inside", "expected", "pending"), [
+    ("<think>weigh it</think>\n\n42", False, ("weigh it", "42"), False),
+    ("  <think>\nweigh it\n</think>42", False, ("weigh it", "42"), False),
+    ("<think>still going", False, ("still going", ""), True),
+    ("weigh it</think>\n42", True, ("weigh it", "42"), False),
+    ("weigh it", True, ("weigh it", ""), True),
+    ("weigh it</think>42", False, ("weigh it", "42"), False),  # the template opened it, unannounced
+    ("no thinking at all", False, ("", "no thinking at all"), False),
+    ("<th", False, ("", "<th"), True),  # could still become the opening marker
+    ("", False, ("", ""), True),
+    ("a <think> in the middle", False, ("", "a <think> in the middle"), False),
+])
+def test_split(text: str, inside: bool, expected: tuple[str, str], pending: bool) -> None:
+    assert reasoning.split(text, inside=inside) == expected
+    assert reasoning.pending(text, inside=inside) is pending
+
+
+def test_opened() -> None:
+    assert reasoning.opened("<|im_start|>assistant\n<think>\n")
+    assert not reasoning.opened("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not reasoning.opened("<|im_start|>assistant\n")
+
+
+def stream_choice(choice: ChatChoice, pieces: list[str], reason: FinishReason = FinishReason.EOG) -> list[dict[str, Any]]:
+    deltas = []
+    for piece in pieces:
+        deltas += choice.feed(Chunk(piece, [0]))
+    return deltas + choice.finish(reason)
+
+
+def joined(deltas: list[dict[str, Any]], key: str) -> str:
+    return "".join(d["delta"].get(key) or "" for d in deltas)
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_streamed_reasoning_never_leaks_into_content(inside: bool) -> None:
+    text = ("" if inside else "<think>") + "Paris is in France.</think>\n\nParis"
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # markers split across chunks
+    deltas = stream_choice(ChatChoice(0, [], lambda t: b"", in_thinking=inside), pieces)
+    assert joined(deltas, "reasoning_content") == "Paris is in France."
+    assert joined(deltas, "content") == "Paris"
+    assert not any("<" in joined([d], "content") or "<" in joined([d], "reasoning_content") for d in deltas)
+    assert deltas[-1]["finish_reason"] == "stop"
+    whole = ChatChoice(0, [], lambda t: b"", in_thinking=inside)
+    for piece in pieces:
+        whole.feed(Chunk(piece, [0]))
+    message = whole.message(FinishReason.EOG)["message"]
+    assert message["reasoning_content"] == "Paris is in France." and message["content"] == "Paris"
+
+
+def test_streamed_tool_call_after_thinking() -> None:
+    text = '<think>I need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    deltas = stream_choice(ChatChoice(0, ["get_weather"], lambda t: b""), [text[i:i + 5] for i in range(0, len(text), 5)])
+    assert joined(deltas, "reasoning_content") == "I need the weather."
+    assert joined(deltas, "content") == ""
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [(0, "get_weather", {"city": "Oslo"})]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+# constraints start after the thinking block
+
+
+@pytest.mark.anyio
+async def test_a_constraint_starts_after_a_block_the_template_opened(opening_model: Path) -> None:
+    async with Engine(opening_model, n_ctx=512) as engine:
+        end = engine.tokenize(reasoning.END, add_special=False)
+        assert len(end) == 1
+        conv = engine.conversation()
+        stream = conv.chat("What is six times seven?", json_schema=SCHEMA, max_tokens=40, logit_bias={end[0]: 60})
+        assert stream.in_thinking
+        result = await stream
+        assert result.finish_reason is FinishReason.EOG
+        assert result.text.startswith(reasoning.END)
+        assert set(json.loads(result.content)) == {"answer"}
+        # Unbiased, a random model thinks on: the constraint never cuts the block short, and no
+        # end-of-generation token can end the reply inside it (only the length limit).
+        conv2 = engine.conversation()
+        result = await conv2.chat("What is six times seven?", json_schema=SCHEMA, max_tokens=24)
+        assert result.finish_reason is FinishReason.LENGTH
+        assert result.content == "" and reasoning.END not in result.text
+
+
+@pytest.mark.anyio
+async def test_a_constraint_may_follow_a_block_the_model_opens(plain_model: Path) -> None:
+    async with Engine(plain_model, n_ctx=512) as engine:
+        start, end = engine.tokenize(reasoning.START + reasoning.END, add_special=False)
+        conv = engine.conversation()
+        stream = conv.chat("What is six times seven?", json_schema=SCHEMA, max_tokens=48,
+                           logit_bias={start: 60, end: 40})
+        assert not stream.in_thinking
+        result = await stream
+        assert result.finish_reason is FinishReason.EOG
+        assert result.text.startswith(reasoning.START)
+        assert set(json.loads(result.content)) == {"answer"}
+        # Without the bias toward thinking, the constraint allows the answer at once.
+        conv2 = engine.conversation()
+        result = await conv2.chat("What is six times seven?", json_schema=SCHEMA, max_tokens=48,
+                                  logit_bias={start: -100})
+        assert result.reasoning == ""
+        assert set(json.loads(result.text)) == {"answer"}
+
+
+@pytest.mark.anyio
+async def test_raw_streams_of_a_reasoning_model_split_too(opening_model: Path) -> None:
+    async with Engine(opening_model, n_ctx=512) as engine:
+        end = engine.tokenize(reasoning.END, add_special=False)[0]
+        conv = engine.conversation(engine.render_chat("Hi"))
+        result = await conv.stream(regex="[0-9]{2}", logit_bias={end: 60}, max_tokens=12)
+        assert result.finish_reason is FinishReason.EOG
+        assert result.reasoning == "" and len(result.content) == 2 and result.content.isdigit()
+
+
+# tools reach a template that has a place for them
+
+
+@pytest.mark.anyio
+async def test_tools_reach_the_template(plain_model: Path) -> None:
+    async with Engine(plain_model, n_ctx=1024) as engine:
+        rendered = engine.render_chat("Weather in Oslo?", tools=[WEATHER])
+        assert "<tools>\n" + json.dumps(WEATHER, ensure_ascii=False) + "\n</tools>" in rendered
+        assert "Weather in Oslo?" in rendered
+        history = [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees, rain"},
+        ]
+        rendered = engine.render_chat(history, tools=[WEATHER])
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in rendered
+        assert "<tool_response>\n4 degrees, rain\n</tool_response>" in rendered
+        # A chat turn appends exactly that render, and a required call is constrained to the tools.
+        conv = engine.conversation()
+        stream = conv.chat(history, tools=[WEATHER], tool_choice="required", max_tokens=64)
+        assert list(conv.tokens) == engine.tokenize(rendered, add_special=True, special=True)
+        result = await stream
+        assert [call.name for call in result.tool_calls] == ["get_weather"]
+        assert set(json.loads(result.tool_calls[0].arguments)) == {"city"}
+
+
+def test_a_malformed_tool_is_refused_by_render_chat(tiny_path: Path) -> None:
+    with aiollama.SyncEngine(tiny_path, n_ctx=256) as engine:
+        with pytest.raises(aiollama.InvalidRequestError, match="tools"):
+            engine.render_chat("hi", tools=[{"type": "function"}])
