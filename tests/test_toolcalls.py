@@ -1,0 +1,97 @@
+"""Tool calls read from generated text in each format models write, and the schema that
+``tool_choice`` constrains a reply to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aiollama import InvalidRequestError
+from aiollama.toolcalls import call_schema, describe, might_be_call, parse, tool_names
+
+NAMES = {"get_weather", "get_time"}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time"}}]
+
+
+def calls_of(text: str) -> tuple[str, list[tuple[str, object]]]:
+    content, calls = parse(text, NAMES)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    # Hermes and Qwen: one block a call, text before them is content
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     "", [("get_weather", {"city": "Oslo"})]),
+    ('Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+     "Let me look.", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ('<tool_call>{"name": "get_time", "arguments": {}}', "", [("get_time", {})]),  # cut at the end tag
+    # Mistral
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]',
+     "", [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    # Llama 3, with "parameters"
+    ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}', "", [("get_time", {"zone": "UTC"})]),
+    ('{"name": "get_time", "parameters": {"zone": "UTC"}}', "", [("get_time", {"zone": "UTC"})]),
+    # plain JSON, arguments as a JSON string, in a code fence, as a list
+    ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Lima\\"}"}', "", [("get_weather", {"city": "Lima"})]),
+    ('```json\n{"name": "get_time", "arguments": {}}\n```', "", [("get_time", {})]),
+    ('[{"name": "get_time", "arguments": {}}]', "", [("get_time", {})]),
+])
+def test_calls_in_every_format(text: str, content: str, calls: list[tuple[str, object]]) -> None:
+    assert calls_of(text) == (content, calls)
+
+
+@pytest.mark.parametrize("text", [
+    "It is sunny in Oslo.",
+    '{"name": "launch_rockets", "arguments": {}}',  # not a tool offered
+    '{"city": "Oslo"}',  # JSON, but not a call
+    '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # broken JSON
+    '{"name": "get_weather", "arguments": "not json"}',
+    '[{"name": "get_time", "arguments": {}}, {"name": "unknown", "arguments": {}}]',  # not all calls
+])
+def test_text_that_is_not_a_call_stays_content(text: str) -> None:
+    assert parse(text, NAMES) == (text, [])
+
+
+def test_calls_have_openai_ids_and_indexes() -> None:
+    _, calls = parse('[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]', NAMES)
+    shaped = [c.openai(i) for i, c in enumerate(calls)]
+    assert [s["index"] for s in shaped] == [0, 1]
+    assert all(s["id"].startswith("call_") and s["type"] == "function" for s in shaped)
+    assert shaped[0]["id"] != shaped[1]["id"]
+
+
+def test_might_be_call_holds_back_only_what_could_start_one() -> None:
+    for text in ("", "  ", "<tool", "<tool_call>{", "[TOOL", "{", "```"):
+        assert might_be_call(text)
+    for text in ("Hello", "The answer", "<b>bold</b>"):
+        assert not might_be_call(text)
+
+
+def test_tool_choice_schemas() -> None:
+    assert call_schema(TOOLS, "auto") is None and call_schema(TOOLS, "none") is None
+    required = call_schema(TOOLS, "required")
+    assert required is not None
+    assert [o["properties"]["name"]["const"] for o in required["anyOf"]] == ["get_weather", "get_time"]
+    assert required["anyOf"][1]["properties"]["arguments"] == {"type": "object"}  # no parameters given
+    named = call_schema(TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    assert named is not None and named["properties"]["arguments"] == TOOLS[0]["function"]["parameters"]  # type: ignore[index]
+    with pytest.raises(InvalidRequestError, match="not among the tools"):
+        call_schema(TOOLS, {"type": "function", "function": {"name": "launch_rockets"}})
+    with pytest.raises(InvalidRequestError, match="tool_choice"):
+        call_schema(TOOLS, "sometimes")
+
+
+@pytest.mark.parametrize("tools", [[{"type": "function"}], [{"function": {"name": ""}}], ["get_time"],
+                                   [{"type": "retrieval", "function": {"name": "x"}}]])
+def test_malformed_tools(tools: list[object]) -> None:
+    with pytest.raises(InvalidRequestError, match=r"tools\[0\]"):
+        tool_names(tools)  # type: ignore[arg-type]
+
+
+def test_describe_lists_every_function() -> None:
+    text = describe(TOOLS)
+    assert all(json.dumps(t["function"]) in text for t in TOOLS)
