@@ -121,18 +121,28 @@ def compile_for(params: SamplingParams, tokenizer: Callable[[], LLTokenizer], *,
 
 
 class Masks:
-    """Fills the masks of a step's constrained rows at once, and applies them to logits rows."""
+    """Fills the masks of a step's constrained rows at once, and applies them to logits rows.
 
-    def __init__(self, n_vocab: int) -> None:
+    With ``threads`` > 1, llguidance fills them in parallel on a pool of its own (without the GIL).
+    Give it only CPUs that llama.cpp's threads leave free: on a machine where the decode already
+    takes every core, a pool beside it costs the decode more than the masks gain, so one thread
+    fills them in turn on the decode thread.
+    """
+
+    def __init__(self, n_vocab: int, threads: int = 1) -> None:
         self.n_vocab = n_vocab
-        self._executor = LLExecutor()
+        self._executor = LLExecutor(num_threads=threads) if threads > 1 else None
         self._words = (n_vocab + 31) // 32
 
     def fill(self, matchers: Sequence[Any]) -> np.ndarray:
-        """One row of allowed-token bits per matcher (computed in parallel, without the GIL)."""
+        """One row of allowed-token bits per matcher."""
         bits = np.full((len(matchers), self._words), -1, dtype=np.int32)
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.ctypes.data,
-                                               self._words * 4, len(matchers))
+        if self._executor is None or len(matchers) == 1:
+            for row, m in zip(bits, matchers):
+                m.unsafe_compute_mask_ptr(row.ctypes.data, self._words * 4)
+        else:
+            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.ctypes.data,
+                                                   self._words * 4, len(matchers))
         return bits
 
     def apply(self, logits: np.ndarray, bits: np.ndarray) -> None:

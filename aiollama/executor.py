@@ -23,7 +23,8 @@ from aiollama.boundary import EngineConfig
 from aiollama.constraints import Masks
 from aiollama.embedder import Embedder, is_embedding_model
 from aiollama.errors import DecodeError, InvalidRequestError, StateRestoreError, UnsupportedModel
-from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab
+from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus
+from aiollama.native.binding import lib
 from aiollama.native.sampler import DEFAULT_SEED
 from aiollama.sampling import SamplingParams
 from aiollama.step import Copy, Op, Park, Plan, Remove, Restore, Sampled, Shift, StepResult, StepStatus, Tokenizer
@@ -130,6 +131,7 @@ class NativeExecutor:
                 self.batch = stack.enter_context(Batch(self.ctx.n_batch))
             self._handles = stack.pop_all()
         self._threads = config.n_threads
+        self._gpu_decodes = config.n_gpu_layers != 0 and bool(lib.llama_supports_gpu_offload())
         self.vocab = self.model.vocab
         self.tokenizer: Tokenizer = VocabTokenizer(self.vocab)
         self.n_ctx, self.n_seq_max, self.n_batch = self.ctx.n_ctx, self.ctx.n_seq_max, self.ctx.n_batch
@@ -227,9 +229,14 @@ class NativeExecutor:
         bits = None
         if matchers:
             if self._masks is None:
-                self._masks = Masks(self.vocab.n_tokens)
+                self._masks = Masks(self.vocab.n_tokens, self._mask_threads())
             bits = iter(self._masks.fill(matchers))
         return tuple(self._sample_row(conv, row, bits) for conv, row in outputs)
+
+    def _mask_threads(self) -> int:
+        """The CPUs the decode leaves free for computing masks (all of them when a GPU decodes)."""
+        cpus = available_cpus()
+        return cpus if self._gpu_decodes else cpus - self.ctx.n_threads[0]
 
     def _sample_row(self, conv: int, row: int, bits: Any) -> Sampled:
         sampler = self._samplers[conv]
