@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
 import statistics
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def prompts(n: int, length: int, n_vocab: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
@@ -97,3 +102,13 @@ def machine() -> dict[str, object]:
         "gpu": gpu,
         "python": platform.python_version(),
     }
+
+
+def save_results(r: dict[str, Any], scenario: str, text: str) -> None:
+    """Write ``r`` and its markdown ``text`` to results/<date>-<machine>-<cpus>cpu-<scenario>.{json,md}
+    and print the text."""
+    stem = f"{r['date']}-{platform.machine()}-{r['machine']['cpus']}cpu-{scenario}"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(r, indent=2) + "\n")
+    (RESULTS / f"{stem}.md").write_text(text)
+    print(text)

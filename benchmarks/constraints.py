@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import platform
 import statistics
 import sys
 import time
@@ -40,10 +38,9 @@ from aiollama import constraints  # noqa: E402
 from aiollama.native import Model, available_cpus  # noqa: E402
 from aiollama.sampling import SamplingParams  # noqa: E402
 from aiollama.tokenizer import VocabTokenizer  # noqa: E402
-from common import machine  # noqa: E402
+from common import machine, save_results  # noqa: E402
 from server import LlamaServer  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 STREAMS, TOKENS = 8, 128
 QUESTION = "List the fifty largest cities of the world as JSON, with their country and population."
 CITY = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
@@ -198,12 +195,7 @@ async def main(args: argparse.Namespace) -> int:
                          "constrained_all": constrained}
     print("llama-server", r["llama_server"], flush=True)
     r["replay"] = replay(model, chosen, threads)
-    stem = f"{r['date']}-{platform.machine()}-{r['machine']['cpus']}cpu-constraints"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(r, indent=2) + "\n")
-    text = markdown(r)
-    (RESULTS / f"{stem}.md").write_text(text)
-    print(text)
+    save_results(r, "constraints", markdown(r))
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,10 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiollama  # noqa: E402
 import tools  # noqa: E402
 from aiollama.native import Model, available_cpus  # noqa: E402
-from common import machine  # noqa: E402
+from common import machine, save_results  # noqa: E402
 from server import LlamaServer, _free_port  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEM = ("You are a patient storyteller who answers in short paragraphs. You keep track of every "
           "character and place the user mentions, and you never contradict what was said before. ")
 TURNS = [
@@ -214,12 +212,7 @@ async def main(args: argparse.Namespace) -> int:
     r["shared_prompt"] = {"system_tokens": n_system, "aiollama": mine_sp, "llama_server": other_sp}
     print("3. preemption", flush=True)
     r["preemption"] = [await preemption(model, threads, 0), await preemption(model, threads, 2 << 30)]
-    stem = f"{r['date']}-{platform.machine()}-{r['machine']['cpus']}cpu-memory"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(r, indent=2) + "\n")
-    text = markdown(r)
-    (RESULTS / f"{stem}.md").write_text(text)
-    print(text)
+    save_results(r, "memory", markdown(r))
     return 0
 
 
