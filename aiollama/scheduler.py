@@ -281,7 +281,11 @@ class Scheduler:
         if lead.seq_id is not None and lead.n_cached >= n and not lead.restoring:
             seq.follow = None
             if n > seq.n_cached:
+                gained = n - seq.n_cached
                 self.kv.share(seq, lead, n)
+                self.cache_hit_tokens += gained
+                if seq.cached_tokens < seq.prompt_tokens:  # still in its first prefill: not evaluated by it
+                    seq.cached_tokens = min(seq.prompt_tokens, seq.cached_tokens + gained)
             return False
         if lead.phase is Phase.RUNNING and lead.seq_id is not None and lead.pending > 1:
             return True

@@ -113,6 +113,11 @@ def test_followers_wait_for_the_leader_instead_of_evaluating_twice() -> None:
     h.run()
     evaluated = sum(p.n_tokens for p in h.plans)
     assert evaluated < len(prefix) + 4 * 10
+    # what a follower took from its leader counts as cached for it, as the server's usage reports
+    for conv in range(1, 4):
+        seq = h.sched.get(conv)
+        assert (seq.prompt_tokens, seq.cached_tokens) == (len(prefix) + 1, len(prefix))
+    assert h.sched.cache_hit_tokens == 3 * len(prefix)
 
 
 def test_idle_conversations_are_evicted_lru_for_seq_ids() -> None:
