@@ -282,6 +282,9 @@ bool aiollama_abort_cb(void * data);
 void aiollama_flag_store(int * flag, int value);
 int aiollama_flag_load(int * flag);
 void aiollama_log_install(int min_level);
+int32_t aiollama_decode_wake(struct llama_context * ctx, llama_batch batch, const int * fds, int32_t n_fds);
+void aiollama_sample_rows(struct llama_context * ctx, struct llama_sampler ** chains, const int32_t * rows,
+                          const int32_t * top_k, int32_t n, int32_t n_threads, int32_t * out);
 extern "Python" void aiollama_log_py(int level, const char * text);
 """
 
@@ -293,6 +296,10 @@ HELPERS = r"""
 #pragma GCC diagnostic error "-Wincompatible-pointer-types"
 #pragma GCC diagnostic error "-Wint-conversion"
 #pragma GCC diagnostic error "-Wimplicit-function-declaration"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include "llama.h"
 
@@ -325,6 +332,127 @@ static void aiollama_log_trampoline(enum ggml_log_level level, const char * text
 static void aiollama_log_install(int min_level) {
     aiollama_log_min_level = min_level;
     llama_log_set(aiollama_log_trampoline, NULL);
+}
+
+/* llama_decode, after writing a byte to each of fds: event loops waiting on those pipes wake and
+   take the GIL while the decode computes (this runs without it), rather than while the decode
+   thread waits to get it back. A full pipe means that loop is awake already. */
+static int32_t aiollama_decode_wake(struct llama_context * ctx, llama_batch batch, const int * fds, int32_t n_fds) {
+    for (int32_t i = 0; i < n_fds; ++i) {
+        ssize_t written = write(fds[i], "", 1);
+        (void) written;
+    }
+    return llama_decode(ctx, batch);
+}
+
+/* The K largest logits of a row, largest first (ties: lower id first), into out[0..K): the
+   candidates a chain that starts with top-k (or greedy, K = 1) keeps anyway, found without
+   building and sorting an array of the whole vocabulary. */
+static int32_t aiollama_top_k(const float * logits, int32_t n_vocab, int32_t k, llama_token_data * out) {
+    int32_t m = 0;
+    for (int32_t id = 0; id < n_vocab; ++id) {
+        const float x = logits[id];
+        if (m == k && !(x > out[k - 1].logit)) {
+            continue;
+        }
+        int32_t j = m < k ? m++ : k - 1;
+        while (j > 0 && out[j - 1].logit < x) {
+            out[j] = out[j - 1];
+            --j;
+        }
+        out[j].id = id;
+        out[j].logit = x;
+        out[j].p = 0.0f;
+    }
+    return m;
+}
+
+/* Each thread's candidate array, kept between calls and freed when the thread ends. */
+struct aiollama_scratch { size_t size; llama_token_data data[]; };
+static pthread_key_t aiollama_scratch_key;
+static pthread_once_t aiollama_scratch_once = PTHREAD_ONCE_INIT;
+
+static void aiollama_scratch_init(void) {
+    (void) pthread_key_create(&aiollama_scratch_key, free);
+}
+
+static llama_token_data * aiollama_candidates(size_t n) {
+    (void) pthread_once(&aiollama_scratch_once, aiollama_scratch_init);
+    struct aiollama_scratch * s = (struct aiollama_scratch *) pthread_getspecific(aiollama_scratch_key);
+    if (s == NULL || s->size < n) {
+        struct aiollama_scratch * grown = (struct aiollama_scratch *) realloc(
+            s, sizeof(struct aiollama_scratch) + n * sizeof(llama_token_data));
+        if (grown == NULL) {
+            return NULL;
+        }
+        grown->size = n;
+        s = grown;
+        (void) pthread_setspecific(aiollama_scratch_key, s);
+    }
+    return s->data;
+}
+
+/* Choose (and accept) one row's token with its chain, as llama_sampler_sample does. With top_k > 0
+   (the chain starts with top-k of that k, or is greedy and k is 1, with nothing before that reads
+   the whole row), only the k best candidates are built, sorted: the chain's top-k then keeps them
+   all, and what follows sees what it would have seen. -1 if memory ran out. */
+static llama_token aiollama_sample_one(struct llama_sampler * chain, const float * logits, int32_t n_vocab,
+                                       int32_t top_k) {
+    const int32_t n = top_k > 0 && top_k < n_vocab ? top_k : n_vocab;
+    llama_token_data * cur = aiollama_candidates((size_t) n);
+    if (cur == NULL) {
+        return -1;
+    }
+    llama_token_data_array cur_p = { cur, (size_t) n, -1, false };
+    if (n < n_vocab) {
+        cur_p.size = (size_t) aiollama_top_k(logits, n_vocab, n, cur);
+        cur_p.sorted = true;
+    } else {
+        for (int32_t id = 0; id < n_vocab; ++id) {
+            cur[id].id = id;
+            cur[id].logit = logits[id];
+            cur[id].p = 0.0f;
+        }
+    }
+    llama_sampler_apply(chain, &cur_p);
+    if (cur_p.selected < 0 || cur_p.selected >= (int64_t) cur_p.size) {
+        return -1;
+    }
+    const llama_token token = cur_p.data[cur_p.selected].id;
+    llama_sampler_accept(chain, token);
+    return token;
+}
+
+/* One decode's sampling in one call: chains[i] chooses (and accepts) a token from output row
+   rows[i]; top_k[i] as above (NULL: 0 for every row). The rows' logits are located here first, on
+   this thread (which synchronizes the context and applies any reordering of its outputs); after
+   that the work only reads the context, and the chains are distinct objects, so the rows are
+   shared out over the threads the decode used and has just left idle. Without OpenMP they run in
+   turn. out[i] is -1 where a row could not be sampled. */
+static void aiollama_sample_rows(struct llama_context * ctx, struct llama_sampler ** chains, const int32_t * rows,
+                                 const int32_t * top_k, int32_t n, int32_t n_threads, int32_t * out) {
+    if (n <= 0) {
+        return;
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    const float ** logits = (const float **) malloc((size_t) n * sizeof(float *));
+    if (logits == NULL) {
+        for (int32_t i = 0; i < n; ++i) {
+            out[i] = -1;
+        }
+        return;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        logits[i] = llama_get_logits_ith(ctx, rows[i]);
+    }
+#if defined(_OPENMP)
+    #pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1 && n >= 4)
+#endif
+    for (int32_t i = 0; i < n; ++i) {
+        out[i] = logits[i] == NULL ? -1 : aiollama_sample_one(chains[i], logits[i], n_vocab, top_k ? top_k[i] : 0);
+    }
+    free((void *) logits);
+    (void) n_threads;
 }
 """
 

@@ -182,10 +182,16 @@ class Portal(Protocol):
     """Runs a callback in the consumer's context (its event loop, or at once for threads).
 
     ``send`` never blocks the decode thread; it returns False when nobody can receive any more (the
-    event loop is closed). ``owner`` is the event loop (or trio token) it delivers into.
+    event loop is closed). ``owner`` is the event loop (or trio token) it delivers into. With a
+    ``wake_fd``, what was sent runs only once a byte is written there (the decode thread does so
+    as it starts its next decode, or before it waits); without, ``send`` delivers by itself.
     """
 
-    owner: Any
+    @property
+    def owner(self) -> Any: ...
+
+    @property
+    def wake_fd(self) -> int | None: ...
 
     def send(self, callback: Callable[[], None]) -> bool: ...
 

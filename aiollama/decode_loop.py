@@ -136,7 +136,11 @@ class DecodeLoop:
     def _drain(self, core: EngineCore, block: bool) -> bool:
         """Run queued commands; False once shutdown is asked for."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            if block:
+                core.outbox.wake_all()  # nothing is decoding: deliver what the last step sent now
+                command = self._commands.get()
+            else:
+                command = self._commands.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -165,3 +169,4 @@ class DecodeLoop:
             elif isinstance(command, Embed):
                 outbox.emit(command.sink, Delta(error=error))
         outbox.flush()
+        outbox.wake_all()

@@ -23,9 +23,10 @@ from aiollama.boundary import EngineConfig
 from aiollama.constraints import Masks
 from aiollama.embedder import Embedder, is_embedding_model
 from aiollama.errors import DecodeError, InvalidRequestError, StateRestoreError, UnsupportedModel
-from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus
+from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus, sample_rows
 from aiollama.native.binding import lib
 from aiollama.native.sampler import DEFAULT_SEED
+from aiollama.outbox import wake_fds
 from aiollama.sampling import SamplingParams
 from aiollama.step import Copy, Op, Park, Plan, Remove, Restore, Sampled, Shift, StepResult, StepStatus, Tokenizer
 from aiollama.tokenizer import VocabTokenizer
@@ -131,6 +132,8 @@ class NativeExecutor:
                 self.batch = stack.enter_context(Batch(self.ctx.n_batch))
             self._handles = stack.pop_all()
         self._threads = config.n_threads
+        self.wakes = True  # the consumers' loops are woken as the decode starts, without the GIL
+        self._wake: tuple[int, ...] = ()
         self._gpu_decodes = config.n_gpu_layers != 0 and bool(lib.llama_supports_gpu_offload())
         self.vocab = self.model.vocab
         self.tokenizer: Tokenizer = VocabTokenizer(self.vocab)
@@ -164,12 +167,16 @@ class NativeExecutor:
             if s.logits:
                 outputs.append((s.conv, last))
         start = time.perf_counter()
+        self._wake = plan.wake
         try:
             status = self._decode(batch)
         finally:
             # Not cleared before the decode: a cancel that arrives between planning and decoding
             # must still interrupt it.
             self.ctx.clear_abort()
+            if self._wake:  # no decode wrote to them
+                wake_fds(self._wake)
+                self._wake = ()
         elapsed = time.perf_counter() - start
         if status is DecodeStatus.OK:
             return StepResult(StepStatus.OK, self._sample(outputs), decode_seconds=elapsed, parked=parked,
@@ -183,7 +190,8 @@ class NativeExecutor:
                           parked=parked, restored=restored)
 
     def _decode(self, batch: Batch) -> DecodeStatus:
-        return self.ctx.decode(batch)
+        wake, self._wake = self._wake, ()
+        return self.ctx.decode(batch, wake)
 
     def _apply(self, ops: Sequence[Op]) -> tuple[dict[int, bytes], dict[int, bool]]:
         parked: dict[int, bytes] = {}
@@ -224,41 +232,51 @@ class NativeExecutor:
         return True
 
     def _sample(self, outputs: list[tuple[int, int]]) -> tuple[Sampled, ...]:
-        """Choose each row's token; constrained rows get their masks first, all computed at once."""
-        matchers = [self._samplers[conv].matcher for conv, _ in outputs if self._samplers[conv].matcher is not None]
+        """Choose every row's token in one call. Rows that need their logits first (log-probabilities,
+        a constraint's mask) are read before; the masks of all constrained rows are filled at once."""
+        samplers = [self._samplers[conv] for conv, _ in outputs]
+        matchers = [s.matcher for s in samplers if s.matcher is not None]
         bits = None
         if matchers:
             if self._masks is None:
                 self._masks = Masks(self.vocab.n_tokens, self._mask_threads())
             bits = iter(self._masks.fill(matchers))
-        return tuple(self._sample_row(conv, row, bits) for conv, row in outputs)
+        rows: list[tuple[Any, float, list[tuple[int, float]]] | None] = []
+        for sampler, (_, row) in zip(samplers, outputs):
+            rows.append(self._read_row(sampler, row, bits) if sampler.reads_row else None)
+        tokens = sample_rows(self.ctx, [s.chain for s in samplers], [row for _, row in outputs], self.ctx.n_threads[0],
+                             [s.chain.fast_k for s in samplers])
+        return tuple(self._sampled(conv, sampler, token, read)
+                     for (conv, _), sampler, token, read in zip(outputs, samplers, tokens, rows))
 
     def _mask_threads(self) -> int:
         """The CPUs the decode leaves free for computing masks (all of them when a GPU decodes)."""
         cpus = available_cpus()
         return cpus if self._gpu_decodes else cpus - self.ctx.n_threads[0]
 
-    def _sample_row(self, conv: int, row: int, bits: Any) -> Sampled:
-        sampler = self._samplers[conv]
+    def _read_row(self, sampler: _Sampler, row: int, bits: Any) -> tuple[Any, float, list[tuple[int, float]]]:
+        """The row's log-probabilities as sampled (before the mask), then the mask applied."""
+        logits = np.frombuffer(self.ctx.logits_buffer(row), dtype=np.float32)
         lse, top = 0.0, list[tuple[int, float]]()
-        logits = None
-        if sampler.reads_row:
-            logits = np.frombuffer(self.ctx.logits_buffer(row), dtype=np.float32)
-            if sampler.top_logprobs >= 0:
-                lse, top = logprobs_of(logits, sampler.top_logprobs)
-            if sampler.matcher is not None:
-                assert self._masks is not None
-                self._masks.apply(logits, next(bits))
-        token = sampler.chain.sample(self.ctx, row)
+        if sampler.top_logprobs >= 0:
+            lse, top = logprobs_of(logits, sampler.top_logprobs)
+        if sampler.matcher is not None:
+            assert self._masks is not None
+            self._masks.apply(logits, next(bits))
+        return logits, lse, top
+
+    def _sampled(self, conv: int, sampler: _Sampler, token: int,
+                 read: tuple[Any, float, list[tuple[int, float]]] | None) -> Sampled:
         final = False
         if sampler.matcher is not None:
             sampler.matcher.consume_token(token)
             final = sampler.matcher.is_stopped()
-        logprob = None
-        if logits is not None and sampler.top_logprobs >= 0:
-            logprob = float(logits[token]) - lse  # a token the mask allowed kept its logit
-        return Sampled(conv, token, self.vocab.token_to_piece(token), self.vocab.is_eog(token), final,
-                       logprob, tuple(top))
+        logprob: float | None = None
+        top: tuple[tuple[int, float], ...] = ()
+        if read is not None and sampler.top_logprobs >= 0:
+            logits, lse, found = read
+            logprob, top = float(logits[token]) - lse, tuple(found)  # a token the mask allowed kept its logit
+        return Sampled(conv, token, self.vocab.token_to_piece(token), self.vocab.is_eog(token), final, logprob, top)
 
     def request_abort(self) -> None:
         self.ctx.request_abort()

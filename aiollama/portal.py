@@ -7,6 +7,8 @@ waits for a consumer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import queue
 import weakref
 from collections import deque
@@ -24,29 +26,100 @@ from aiollama.errors import WrongEventLoop
 MAX_TRIO_PORTALS = 64
 
 
+class _WakePipe:
+    """A pipe the decode thread writes a byte to, to make an event loop run what was sent to it.
+
+    The decode thread writes as it starts a ``llama_decode``, with the GIL released, so the loop
+    takes the GIL while the decode computes, not while the decode thread waits for it. The pipe is
+    closed only when its portal is collected, so a writer holding the portal never writes to a
+    reused descriptor.
+    """
+
+    def __init__(self, owner: object) -> None:
+        self._items: deque[Callable[[], None]] = deque()
+        self._read, self.wake_fd = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self.wake_fd, False)
+        weakref.finalize(owner, _close_fds, self._read, self.wake_fd)
+
+    def post(self, callback: Callable[[], None]) -> None:
+        self._items.append(callback)  # deque.append is atomic: the loop may be running callbacks
+
+    def run_posted(self) -> None:
+        """On the loop: empty the pipe, then run everything posted, in order."""
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._items:
+            self._items.popleft()()
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 class AsyncioPortal:
+    """Delivers into an asyncio loop. With a selector loop (the default on Unix, and uvloop), sent
+    callbacks wait in a queue until the decode thread writes to the wake pipe; otherwise each send
+    is a ``call_soon_threadsafe``."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.owner = loop
+        self._loop = weakref.ref(loop)
+        self._pipe: _WakePipe | None = _WakePipe(self)
+        self.wake_fd: int | None = self._pipe.wake_fd
+        try:
+            loop.add_reader(self._pipe._read, self._pipe.run_posted)
+        except NotImplementedError:  # a proactor loop has no readers
+            self._pipe, self.wake_fd = None, None
+
+    @property
+    def owner(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop()
 
     def send(self, callback: Callable[[], None]) -> bool:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return False  # nobody is listening any more
+        if self._pipe is not None:
+            self._pipe.post(callback)
+            return True
         try:
-            self.owner.call_soon_threadsafe(callback)
+            loop.call_soon_threadsafe(callback)
         except RuntimeError:
-            return False  # the loop is closed: nobody is listening any more
+            return False
         return True
 
 
 class TrioPortal:
-    def __init__(self, token: Any) -> None:
-        self.owner = token
+    """Delivers into a trio run: a system task waits on the wake pipe and runs what was sent."""
 
-    def send(self, callback: Callable[[], None]) -> bool:
+    def __init__(self, token: Any) -> None:
+        import trio
+
+        self.owner = token
+        self._pipe = _WakePipe(self)
+        self.wake_fd: int | None = self._pipe.wake_fd
+        self._done = False
+        trio.lowlevel.spawn_system_task(self._serve, name="aiollama-portal")
+
+    async def _serve(self) -> None:
         import trio
 
         try:
-            self.owner.run_sync_soon(callback)
-        except trio.RunFinishedError:
-            return False
+            while True:
+                await trio.lowlevel.wait_readable(self._pipe._read)
+                self._pipe.run_posted()
+        finally:
+            self._done = True
+
+    def send(self, callback: Callable[[], None]) -> bool:
+        if self._done:
+            return False  # the run has ended
+        self._pipe.post(callback)
         return True
 
 
@@ -54,6 +127,7 @@ class ThreadPortal:
     """For consumers on plain threads: their sinks are thread-safe queues, so deliver at once."""
 
     owner = None
+    wake_fd: int | None = None  # send() delivers at once
 
     def send(self, callback: Callable[[], None]) -> bool:
         callback()

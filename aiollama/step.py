@@ -87,6 +87,7 @@ class Plan:
     slices: tuple[Slice, ...] = ()
     admitted: tuple[int, ...] = ()
     shifted: tuple[tuple[int, int, int], ...] = ()
+    wake: tuple[int, ...] = ()  # descriptors to write a byte to as the decode starts (consumers' loops)
 
     @property
     def n_tokens(self) -> int:
@@ -197,6 +198,7 @@ class Executor(Protocol):
     n_seq_max: int
     n_batch: int
     tokenizer: Tokenizer
+    wakes: bool  # execute writes a byte to each of ``plan.wake`` as its decode starts (else the engine does, before)
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
                        matcher: Any = None) -> None:

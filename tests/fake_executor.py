@@ -107,6 +107,7 @@ class FakeExecutor:
         self.kv = FakeKV(config.n_ctx, self.n_seq_max)
         self.fingerprint = {"model": "fake", "n_vocab": ByteTokenizer.n_vocab}
         self.can_shift = True
+        self.wakes = False  # the engine wakes consumers' loops before execute
         self.eog_every = eog_every
         self.fault = fault
         self.hold = hold

@@ -286,3 +286,26 @@ async def test_statistics_count_what_happened(fake: tuple[Engine, FakeExecutor])
     assert stats.tokens_generated == 5 and stats.tokens_evaluated == 20 + 4
     assert stats.decode_steps == len(executor.plans) and sum(stats.step_histogram) == stats.decode_steps
     assert out.tokens[0] == next_token(prompt(9, 20), None)
+
+
+def test_wake_pipes_close_with_their_event_loops() -> None:
+    """Each event loop gets a wake pipe; it is closed once the loop is gone, so a process that runs
+    many loops (a test suite, a CLI called in a loop) does not run out of descriptors."""
+    import asyncio
+    import gc
+    import os
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+
+    async def use_engine() -> None:
+        async with engine_of(Fakes()) as engine:
+            await engine.conversation(prompt(1)).stream(max_tokens=3, **GREEDY)
+
+    asyncio.run(use_engine())
+    gc.collect()
+    before = open_fds()
+    for _ in range(20):
+        asyncio.run(use_engine())
+    gc.collect()
+    assert open_fds() <= before + 2

@@ -66,7 +66,7 @@ def _fatal_code(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _decode_raises(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(self: Context, batch: object) -> object:
+    def broken(self: Context, batch: object, wake: object = ()) -> object:
         raise RuntimeError("simulated backend failure")
 
     monkeypatch.setattr(Context, "decode", broken)

@@ -21,7 +21,7 @@ from aiollama.errors import (
     InvalidTokenError,
     ModelLoadError,
 )
-from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus
+from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus, sample_rows
 from aiollama.native.binding import set_log_level
 from helpers import first_greedy_tokens
 
@@ -209,6 +209,54 @@ def test_sampler_clone_keeps_state(ctx: Context, batch: Batch) -> None:
             a = [chain.sample(ctx, last) for _ in range(5)]
             b = [twin.sample(ctx, last) for _ in range(5)]
     assert a == b
+
+
+def test_sample_rows_equals_each_row_alone(tiny: Model) -> None:
+    """One call for a step's rows, shared out over threads, chooses what each chain chooses alone."""
+    vocab = tiny.vocab
+    prompts = [vocab.tokenize(f"Story number {i}: once upon a time") for i in range(12)]
+
+    def chains() -> list[SamplerChain]:
+        out = []
+        for i in range(len(prompts)):
+            chain = SamplerChain(vocab)
+            if i % 3 == 0:
+                chain.add_greedy()
+            else:
+                chain.add_top_k(40).add_top_p(0.9).add_temp(1.2).add_dist(seed=100 + i)
+            out.append(chain)
+        return out
+
+    results = []
+    for threads, fast in ((None, False), (1, False), (2, False), (1, True), (2, True)):
+        with Context(tiny, n_ctx=512, n_batch=512, n_seq_max=len(prompts)) as ctx, Batch(512) as b:
+            rows = []
+            for seq, tokens in enumerate(prompts):
+                rows.append(b.add_tokens(tokens, 0, seq, output_last=True))
+            assert ctx.decode(b) is DecodeStatus.OK
+            cs = chains()
+            try:
+                if threads is None:
+                    results.append([c.sample(ctx, r) for c, r in zip(cs, rows)])
+                else:  # the fast path builds only each chain's top-k candidates
+                    assert [c.fast_k for c in cs] == [1 if i % 3 == 0 else 40 for i in range(len(cs))]
+                    results.append(sample_rows(ctx, cs, rows, threads, [c.fast_k for c in cs] if fast else None))
+            finally:
+                for c in cs:
+                    c.close()
+    assert all(r == results[0] for r in results)
+    with Context(tiny, n_ctx=64, n_batch=64) as ctx, Batch(64) as b, SamplerChain(vocab) as chain:
+        last = b.add_tokens(prompts[0], 0, 0, output_last=True)
+        ctx.decode(b)
+        with pytest.raises(ValueError, match="distinct"):
+            sample_rows(ctx, [chain, chain], [last, last])
+        with pytest.raises(InvalidOutputError):
+            sample_rows(ctx, [chain], [0])
+        assert sample_rows(ctx, [], []) == []
+    with SamplerChain(vocab) as chain:  # something before top-k reads the whole row: no fast path
+        assert chain.add_logit_bias({5: 1.0}).add_top_k(40).fast_k == 0
+    with SamplerChain(vocab) as chain:
+        assert chain.add_top_k(1000).fast_k == 0
 
 
 def test_grammar(ctx: Context, batch: Batch) -> None:

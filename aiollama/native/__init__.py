@@ -10,8 +10,8 @@ from aiollama.native.batch import Batch
 from aiollama.native.context import Context, DecodeStatus
 from aiollama.native.handle import open_handles
 from aiollama.native.model import Model, Vocab
-from aiollama.native.sampler import SamplerChain
+from aiollama.native.sampler import SamplerChain, sample_rows
 from aiollama.native.threads import available_cpus
 
 __all__ = ["Batch", "Context", "DecodeStatus", "Model", "SamplerChain", "Vocab", "available_cpus",
-           "open_handles"]
+           "open_handles", "sample_rows"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from aiollama._validate import integer
@@ -212,18 +213,22 @@ class Context(Handle):
                     f"position gap in sequence {seq_id}: the cache holds it up to position {pos_max}, "
                     f"the batch starts it at {first} (expected {pos_max + 1})")
 
-    def decode(self, batch: Batch) -> DecodeStatus:
-        """Run one ``llama_decode`` over ``batch``. The GIL is released while it runs.
+    def decode(self, batch: Batch, wake: Sequence[int] = ()) -> DecodeStatus:
+        """Run one ``llama_decode`` over ``batch``. The GIL is released while it runs; first, one
+        byte is written to each file descriptor in ``wake`` (without the GIL too).
 
         Raises InvalidBatchError, InvalidTokenError or InvalidSeqIdError for a batch llama.cpp would
-        abort on or reject; nothing is decoded then.
+        abort on or reject; nothing is decoded (and nothing written) then.
         """
         ptr = self._get()
         c = batch._get()
         self._check_batch(batch)
         self._outputs = frozenset()
         c.n_tokens = batch.n_tokens
-        status = DecodeStatus(lib.llama_decode(ptr, c))
+        if wake:
+            status = DecodeStatus(lib.aiollama_decode_wake(ptr, c, ffi.new("int[]", list(wake)), len(wake)))
+        else:
+            status = DecodeStatus(lib.llama_decode(ptr, c))
         if status is DecodeStatus.OK:
             self._outputs = frozenset(batch.outputs)
         return status

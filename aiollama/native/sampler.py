@@ -7,7 +7,7 @@ own; :meth:`SamplerChain.clone` copies one, state included, for a fork.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiollama._validate import integer, number
@@ -41,6 +41,7 @@ class SamplerChain(Handle):
         self._own(lib.llama_sampler_chain_init(params))
         self._grammar: Any = None  # the grammar sampler inside the chain, if any
         self.names: list[str] = []
+        self._first_k = 0  # the k of a top-k (1 for greedy) that begins the chain
 
     def _free(self, ptr: Any) -> None:
         self._grammar = None
@@ -59,6 +60,8 @@ class SamplerChain(Handle):
         return self
 
     def add_greedy(self) -> SamplerChain:
+        if not self.names:
+            self._first_k = 1
         return self._add("greedy", lib.llama_sampler_init_greedy())
 
     def add_dist(self, seed: int = DEFAULT_SEED) -> SamplerChain:
@@ -70,7 +73,15 @@ class SamplerChain(Handle):
 
     def add_top_k(self, k: int) -> SamplerChain:
         integer("top_k", k)
+        if not self.names and k > 0:
+            self._first_k = k
         return self._add("top_k", lib.llama_sampler_init_top_k(k))
+
+    @property
+    def fast_k(self) -> int:
+        """The k of a top-k that begins the chain (1 for a chain that begins with greedy), up to
+        ``FAST_K_MAX``; else 0. Sampling then needs only the k best candidates of a row."""
+        return self._first_k if self._first_k <= FAST_K_MAX else 0
 
     def add_top_p(self, p: float, min_keep: int = 1) -> SamplerChain:
         return self._add("top_p", lib.llama_sampler_init_top_p(_unit("top_p", p), min_keep))
@@ -155,7 +166,40 @@ class SamplerChain(Handle):
         self.vocab._model._acquire_native()
         twin._own(lib.llama_sampler_clone(chain))
         twin.names = list(self.names)
+        twin._first_k = self._first_k
         twin._grammar = None
         if self._grammar is not None:
             twin._grammar = lib.llama_sampler_chain_get(twin._ptr, self.names.index("grammar"))
         return twin
+
+
+FAST_K_MAX = 256  # beyond it, building the whole row and sorting it is no slower
+
+
+def sample_rows(ctx: Context, chains: Sequence[SamplerChain], rows: Sequence[int], threads: int = 1,
+                top_k: Sequence[int] | None = None) -> list[int]:
+    """Choose (and accept) a token for each of ``rows`` of ``ctx``'s last decode, ``chains[i]``
+    for ``rows[i]``: one call for the whole step, the rows shared out over up to ``threads``
+    threads. The chains must be distinct.
+
+    ``top_k[i]`` > 0 says chain i begins with top-k of that k (or is greedy, with 1) and nothing
+    before it reads the row: then only those k candidates are built, which is faster and chooses
+    the same token (:meth:`SamplerChain.fast_k` tells the k of a chain).
+    """
+    if len(chains) != len(rows) or (top_k is not None and len(top_k) != len(rows)):
+        raise ValueError("one chain (and one top_k) per row")
+    if len({id(c) for c in chains}) != len(chains):
+        raise ValueError("the chains must be distinct: a chain samples one row at a time")
+    for idx in rows:
+        ctx.check_output(idx)
+    n = len(rows)
+    if n == 0:
+        return []
+    out = ffi.new("int32_t[]", n)
+    ks = ffi.NULL if top_k is None else ffi.new("int32_t[]", [integer("top_k", k, low=0) for k in top_k])
+    lib.aiollama_sample_rows(ctx._get(), ffi.new("struct llama_sampler *[]", [c._get() for c in chains]),
+                             ffi.new("int32_t[]", list(rows)), ks, n, integer("threads", threads, low=1), out)
+    tokens = list(out)
+    if -1 in tokens:
+        raise MemoryError("sampling could not allocate its candidates")
+    return tokens

@@ -1,0 +1,169 @@
+"""The decode thread's own cost per step, in microseconds: per step and per stream.
+
+    pip install ".[bench]" && python benchmarks/overhead.py             # about a minute
+
+1. The engine alone: an executor that decodes nothing and answers every row at once (no model),
+   so each step's time is the engine's: planning, the finish rules, delivery to the event loop,
+   statistics, with the consumers reading their streams on the event loop meanwhile (they share
+   the GIL with the decode thread). Fitted as ``a + b x streams`` over 1 to 64 streams.
+2. A real model: the time outside ``llama_decode`` per step with SmolLM2 (and the fast random
+   model of ``benchmarks/run.py``), from the engine's own step timers; this adds sampling (the
+   chains, shared out over the decode's threads) to part 1.
+
+Results go to benchmarks/results/<date>-<machine>-<cpus>cpu-overhead.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import aiollama  # noqa: E402
+import fast_model  # noqa: E402
+from aiollama.boundary import EngineConfig  # noqa: E402
+from aiollama.native import Model, available_cpus  # noqa: E402
+from aiollama.sampling import SamplingParams  # noqa: E402
+from aiollama.step import Plan, Sampled, StepResult, StepStatus  # noqa: E402
+from common import machine, prompts, save_results  # noqa: E402
+from fake_executor import ByteTokenizer  # noqa: E402
+
+TOKENS = 256
+LEVELS = (1, 8, 32, 64)
+
+
+class NullExecutor:
+    """Decodes nothing: every row with logits gets token 'a' at once."""
+
+    can_shift = True
+    wakes = False
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.n_ctx, self.n_batch = config.n_ctx, config.n_batch
+        self.n_seq_max = config.context_seq_ids(self.tokenizer.n_vocab)
+        self.fingerprint = {"model": "null"}
+        self._piece = self.tokenizer.piece(97)
+
+    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int], matcher: Any = None) -> None:
+        pass
+
+    def stop_sampling(self, conv: int) -> None:
+        pass
+
+    def execute(self, plan: Plan) -> StepResult:
+        return StepResult(StepStatus.OK, tuple(Sampled(s.conv, 97, self._piece, False) for s in plan.slices if s.logits))
+
+    def request_abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def embed(self, texts: Sequence[Sequence[int]], normalize: bool) -> list[list[float]]:
+        raise NotImplementedError
+
+    def read_state(self, seq_id: int) -> bytes:
+        return b""
+
+    def write_state(self, seq_id: int, data: bytes) -> bool:
+        return False
+
+
+async def per_step_us(engine: aiollama.Engine, batch: list[list[int]]) -> dict[str, float]:
+    """Microseconds per step (whole step, and outside llama_decode) with these streams running."""
+    async def read(stream: aiollama.Stream) -> None:
+        async for _ in stream:
+            pass
+
+    await engine.clear_cache()  # earlier runs' prefixes would be evicted (parked) during this one
+    before = engine.statistics()
+    convs = [engine.conversation(p) for p in batch]
+    streams = [c.stream(max_tokens=TOKENS, temperature=0.7, seed=1, ignore_eos=True) for c in convs]  # all at once
+    async with anyio.create_task_group() as tg:
+        for stream in streams:
+            tg.start_soon(read, stream)
+    after = engine.statistics()
+    for conv in convs:
+        await conv.aclose()
+    steps = after.decode_steps - before.decode_steps
+    step = after.step_seconds - before.step_seconds
+    outside = step - (after.decode_seconds - before.decode_seconds)
+    return {"steps": steps, "step_us": 1e6 * step / steps, "outside_us": 1e6 * outside / steps}
+
+
+def fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+async def engine_alone(rounds: int) -> dict[str, Any]:
+    rows = {}
+    async with aiollama.Engine(executor=NullExecutor, n_ctx=64 * (TOKENS + 64), n_seq_max=64) as engine:
+        await per_step_us(engine, [[65] * 16])
+        for n in LEVELS:
+            runs = [await per_step_us(engine, [[65 + i % 26] * 16 for i in range(n)]) for _ in range(rounds)]
+            rows[str(n)] = min(runs, key=lambda r: r["outside_us"])  # noise only slows a run down
+    a, b = fit(list(LEVELS), [rows[str(n)]["outside_us"] for n in LEVELS])
+    return {"levels": rows, "per_step_us": a, "per_stream_us": b}
+
+
+async def with_model(model: Path, threads: int, rounds: int) -> dict[str, Any]:
+    rows = {}
+    with Model(model, vocab_only=True) as m:
+        n_vocab = m.vocab.n_tokens
+    async with aiollama.Engine(model, n_ctx=32 * (TOKENS + 96), n_seq_max=32, n_threads=threads) as engine:
+        await per_step_us(engine, prompts(1, 16, n_vocab, seed=9))
+        for n in (1, 8, 32):
+            runs = [await per_step_us(engine, prompts(n, 64, n_vocab, seed=n)) for _ in range(rounds)]
+            rows[str(n)] = min(runs, key=lambda r: r["outside_us"])
+    a, b = fit([1, 8, 32], [rows[str(n)]["outside_us"] for n in (1, 8, 32)])
+    return {"model": model.name, "levels": rows, "per_step_us": a, "per_stream_us": b}
+
+
+def markdown(r: dict[str, Any]) -> str:
+    e = r["engine_alone"]
+    out = [f"Measured {r['date']} on {r['machine']['cpu']} ({r['machine']['cpus']} CPUs); {TOKENS} tokens a "
+           f"stream, best of {r['rounds']} runs per level.", "",
+           "**The engine alone** (no model: the decode thread's planning, finish rules, delivery and "
+           "statistics, with the consumers reading on the event loop):", "",
+           "| streams | steps | µs per step |", "|---:|---:|---:|"]
+    out += [f"| {n} | {row['steps']} | {row['outside_us']:.0f} |" for n, row in e["levels"].items()]
+    out += ["", f"Fit: **{e['per_step_us']:.0f} µs per step + {e['per_stream_us']:.1f} µs per stream**.", ""]
+    for m in r["models"]:
+        out += [f"**{m['model']}**, {r['threads']} threads: time outside `llama_decode` per step (sampling "
+                "included)", "", "| streams | step (µs) | outside llama_decode (µs) |", "|---:|---:|---:|"]
+        out += [f"| {n} | {row['step_us']:.0f} | {row['outside_us']:.0f} |" for n, row in m["levels"].items()]
+        out += ["", f"Fit: {m['per_step_us']:.0f} µs per step + {m['per_stream_us']:.1f} µs per stream.", ""]
+    return "\n".join(out)
+
+
+async def main(args: argparse.Namespace) -> int:
+    threads = args.threads or available_cpus()
+    r: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": machine(), "threads": threads,
+                         "rounds": args.rounds}
+    r["engine_alone"] = await engine_alone(args.rounds)
+    print("engine alone", r["engine_alone"]["per_step_us"], r["engine_alone"]["per_stream_us"], flush=True)
+    models = [aiollama.default_model(), fast_model.path()]
+    r["models"] = [await with_model(m, threads, args.rounds) for m in models]
+    save_results(r, "overhead", markdown(r))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, help="llama.cpp threads (default: usable CPUs)")
+    parser.add_argument("--rounds", type=int, default=3)
+    sys.exit(anyio.run(main, parser.parse_args()))
