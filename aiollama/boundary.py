@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from aiollama._validate import MAX_SEQ, integer
 from aiollama.errors import InvalidRequestError
-from aiollama.sampling import SamplingParams
+from aiollama.sampling import MAX_DRAFT_TOKENS, SamplingParams
 
 
 # llama.cpp reserves an output row of n_vocab floats per seq id; the default spends this much on them.
@@ -42,6 +42,8 @@ class EngineConfig:
     needed). ``context_shift`` is the default policy for a history that outgrows the context: False
     raises ``ContextFull`` (a generation that reaches the end finishes with ``length``); True keeps
     the first ``n_keep`` tokens and drops the older half of the rest. Streams may choose otherwise.
+    ``draft_tokens`` > 0 turns on n-gram speculation: decode steps carry drafts of up to that many
+    tokens taken from the conversation's own history (0: off; streams may choose otherwise).
     """
 
     model_path: Path | None = None
@@ -56,6 +58,7 @@ class EngineConfig:
     host_cache_bytes: int = 2 * 2**30
     context_shift: bool = False
     n_keep: int = 0
+    draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         integer("n_ctx", self.n_ctx, low=1)
@@ -68,6 +71,7 @@ class EngineConfig:
         integer("max_queued", self.max_queued, low=0)
         if self.cache_seq_ids is not None:
             integer("cache_seq_ids", self.cache_seq_ids, low=0)
+        integer("draft_tokens", self.draft_tokens, low=0, high=MAX_DRAFT_TOKENS)
         integer("host_cache_bytes", self.host_cache_bytes, low=0)
         integer("n_keep", self.n_keep, low=0)
         if not isinstance(self.context_shift, bool):
@@ -114,13 +118,16 @@ class GenerationStats:
 
     ``prompt_tokens``: the history it continued; ``cached_tokens``: how many of those were not
     evaluated (shared from the KV cache or restored from host memory); ``preemptions``: how often it
-    was stopped to free cells; ``restores``: how often its state came back from host memory.
+    was stopped to free cells; ``restores``: how often its state came back from host memory;
+    ``drafted`` and ``accepted``: speculative draft tokens evaluated, and those the sampler took.
     """
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
     restores: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True)

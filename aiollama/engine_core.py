@@ -110,8 +110,8 @@ class EngineCore:
             self._count(plan, result, started)
         if result.status is StepStatus.OK:
             self._no_slot_streak = 0
-            for conv in self.generations.update(result, self.scheduler):
-                self.end(conv)
+            for conv, past_end in self.generations.update(result, self.scheduler).items():
+                self.end(conv, past_end=past_end)
         elif result.status is StepStatus.NO_KV_SLOT:
             # Planning keeps batches within the free cells, so this is rare: the scheduler frees
             # cells by force; give up only if it keeps happening with nothing left to free.
@@ -174,9 +174,12 @@ class EngineCore:
             params = command.params
             shifts = self.config.context_shift if params.context_shift is None else params.context_shift
             n_keep = self.config.n_keep if params.n_keep is None else params.n_keep
+            draft = self.config.draft_tokens if params.draft_tokens is None else params.draft_tokens
+            if command.matcher is not None:
+                draft = 0  # a constraint's mask needs the tokens before it: one row at a time
             self.executor.start_sampling(conv, params, self.scheduler.get(conv).tokens, command.matcher)
             try:
-                dropped = self.scheduler.submit(conv, n_keep if shifts else None)
+                dropped = self.scheduler.submit(conv, n_keep if shifts else None, draft)
             except BaseException:
                 self.executor.stop_sampling(conv)
                 raise
@@ -222,13 +225,18 @@ class EngineCore:
                 self._sync_kv()
         self.outbox.emit(command.sink, Ack())
 
-    def end(self, conv: int, reason: FinishReason | None = None, error: BaseException | None = None) -> None:
+    def end(self, conv: int, reason: FinishReason | None = None, error: BaseException | None = None,
+            past_end: int = 0) -> None:
         """End ``conv``'s generation: tell its stream (unless its last delta said so), free its
-        sampler, keep its KV as a cache, and append the prompts that waited for it."""
+        sampler, keep its KV as a cache, and append the prompts that waited for it. ``past_end``
+        tokens at the end of the history came after the generation's end (drafted): they go."""
         stats = stats_of(self.scheduler.get(conv)) if reason is not None else None
         deferred = self.generations.end(conv, reason, error, stats)
         self.executor.stop_sampling(conv)
         self.scheduler.finish(conv)
+        if past_end:
+            self.scheduler.rewind(conv, len(self.scheduler.get(conv).tokens) - past_end)
+            self._counters.tokens_generated -= past_end
         for tokens in deferred:
             self.scheduler.append(conv, tokens)
 

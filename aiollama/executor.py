@@ -28,7 +28,7 @@ from aiollama.native.binding import lib
 from aiollama.native.sampler import DEFAULT_SEED
 from aiollama.outbox import wake_fds
 from aiollama.sampling import SamplingParams
-from aiollama.step import Copy, Op, Park, Plan, Remove, Restore, Sampled, Shift, StepResult, StepStatus, Tokenizer
+from aiollama.step import Copy, Op, Park, Plan, Remove, Restore, Sampled, Shift, Slice, StepResult, StepStatus, Tokenizer
 from aiollama.tokenizer import VocabTokenizer
 
 
@@ -162,10 +162,13 @@ class NativeExecutor:
         batch = self.batch
         batch.clear()
         outputs: list[tuple[int, int]] = []
+        drafts: list[tuple[int, Slice]] = []  # (index in outputs, slice)
         for s in plan.slices:
-            last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits)
+            last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits, n_outputs=s.draft + s.logits)
             if s.logits:
-                outputs.append((s.conv, last))
+                if s.draft:
+                    drafts.append((len(outputs), s))
+                outputs.append((s.conv, last - s.draft))
         start = time.perf_counter()
         self._wake = plan.wake
         try:
@@ -179,8 +182,10 @@ class NativeExecutor:
                 self._wake = ()
         elapsed = time.perf_counter() - start
         if status is DecodeStatus.OK:
-            return StepResult(StepStatus.OK, self._sample(outputs), decode_seconds=elapsed, parked=parked,
-                              restored=restored)
+            sampled = self._sample(outputs)
+            if drafts:
+                sampled = self._verify(sampled, outputs, drafts)
+            return StepResult(StepStatus.OK, sampled, decode_seconds=elapsed, parked=parked, restored=restored)
         if status is DecodeStatus.NO_KV_SLOT:
             return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, parked=parked, restored=restored)
         # ABORTED and failures keep the ubatches computed before them: say what the context holds
@@ -248,6 +253,23 @@ class NativeExecutor:
                              [s.chain.fast_k for s in samplers])
         return tuple(self._sampled(conv, sampler, token, read)
                      for (conv, _), sampler, token, read in zip(outputs, samplers, tokens, rows))
+
+    def _verify(self, sampled: tuple[Sampled, ...], outputs: list[tuple[int, int]],
+                drafts: list[tuple[int, Slice]]) -> tuple[Sampled, ...]:
+        """Continue the drafted rows: while the token chosen equals the next draft token, choose the
+        next one from that token's row. The cells of the draft tokens not taken are removed."""
+        chosen: list[list[Sampled]] = [[x] for x in sampled]
+        for i, s in drafts:
+            row = outputs[i][1]
+            draft = s.tokens[1:]
+            got = chosen[i]
+            k = 0
+            while k < len(draft) and got[-1].token == draft[k] and not got[-1].eog:
+                k += 1
+                got += self._sample([(s.conv, row + k)])
+            if k < len(draft):
+                self._remove(s.seq_id, s.pos + 1 + k, -1)
+        return tuple(x for got in chosen for x in got)
 
     def _mask_threads(self) -> int:
         """The CPUs the decode leaves free for computing masks (all of them when a GPU decodes)."""

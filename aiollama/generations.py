@@ -15,6 +15,7 @@ so a conversation's commands keep their order.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
@@ -39,8 +40,10 @@ class Generation:
 
 
 def stats_of(seq: SeqState) -> GenerationStats:
+    draft = seq.draft
     return GenerationStats(prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens,
-                           preemptions=seq.preemptions, restores=seq.restores)
+                           preemptions=seq.preemptions, restores=seq.restores,
+                           drafted=draft.drafted if draft else 0, accepted=draft.accepted if draft else 0)
 
 
 class Generations:
@@ -91,17 +94,25 @@ class Generations:
         """The prompts waiting for ``conv``'s generation to end (a fork inherits them)."""
         return list(self._deferred.get(conv, ()))
 
-    def update(self, result: StepResult, scheduler: Scheduler) -> list[int]:
+    def update(self, result: StepResult, scheduler: Scheduler) -> dict[int, int]:
         """Turn the step's sampled tokens into deltas; return the conversations whose generation
-        ended (call :meth:`end` for each, after the scheduler has seen the tokens)."""
-        ended = []
+        ended (call :meth:`end` for each, after the scheduler has seen the tokens), each with how
+        many of its sampled tokens came after its end (a draft taken past a stop): the scheduler
+        must drop those from the history."""
+        ended: dict[int, int] = {}
+        left = collections.Counter(sampled.conv for sampled in result.sampled)
         for sampled in result.sampled:
-            gen = self._gens[sampled.conv]
-            seq = scheduler.get(sampled.conv)
-            delta = self._next(gen, sampled, len(seq.tokens))
+            conv = sampled.conv
+            left[conv] -= 1
+            if conv in ended:
+                ended[conv] += 1
+                continue
+            gen = self._gens[conv]
+            seq = scheduler.get(conv)
+            delta = self._next(gen, sampled, len(seq.tokens) - left[conv])
             if delta.finish_reason is not None:
                 delta = dataclasses.replace(delta, stats=stats_of(seq))
-                ended.append(sampled.conv)
+                ended[conv] = 0
             self.outbox.emit(gen.sink, delta)
         return ended
 

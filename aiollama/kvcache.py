@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from aiollama.hostcache import HostCache, Parked
 from aiollama.kvtree import KVCells, Span, cached
+from aiollama.speculation import DraftLength
 from aiollama.step import Copy, Op, Park, Remove, Restore, Shift
 
 # A holder with fewer cells than this is not worth parking in host memory: it is dropped instead.
@@ -50,6 +51,7 @@ class SeqState:
     entry: bool = False  # a cache entry: a closed conversation's prefix, no conversation behind it
     restoring: bool = False  # a parked state is being put back this step: no tokens for it yet
     n_keep: int | None = None  # context shift: keep this many first tokens; None: no shift
+    draft: DraftLength | None = None  # n-gram speculation for the current generation; None: none
     # what the current generation cost (reset when it is submitted)
     prompt_tokens: int = -1  # history at its first admission; -1 before
     cached_tokens: int = 0  # of those, not evaluated

@@ -25,6 +25,9 @@ def wrap_seed(seed: int) -> int:
     return seed % (SEED_MAX + 1)
 
 
+MAX_DRAFT_TOKENS = 32
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one stream chooses its tokens.
@@ -33,7 +36,9 @@ class SamplingParams:
     ``temperature`` 0 means greedy. The penalties look at the last ``penalty_last_n`` tokens of the
     conversation, prompt included. ``seed`` None picks a random seed. ``stop`` strings end the stream
     and are never emitted. ``context_shift`` and ``n_keep`` choose what happens when the history
-    outgrows the context (None: the engine's setting).
+    outgrows the context (None: the engine's setting). ``draft_tokens`` > 0 decodes with n-gram
+    drafts of up to that many tokens a step (0: none; None: the engine's setting); the text is the
+    same, only the steps fewer.
 
     Constraints (at most one): ``grammar`` is GBNF text; ``json_schema`` a JSON schema (a dict, its
     JSON text, or a class with ``model_json_schema()``, such as a Pydantic model); ``regex`` a regular
@@ -62,6 +67,7 @@ class SamplingParams:
     ignore_eos: bool = False
     context_shift: bool | None = None
     n_keep: int | None = None
+    draft_tokens: int | None = None
     json_schema: Any = None
     regex: str | None = None
     lark: str | None = None
@@ -103,6 +109,8 @@ class SamplingParams:
             raise InvalidRequestError(f"context_shift must be a bool or None, got {self.context_shift!r}")
         if self.n_keep is not None:
             integer("n_keep", self.n_keep, low=0)
+        if self.draft_tokens is not None:
+            integer("draft_tokens", self.draft_tokens, low=0, high=MAX_DRAFT_TOKENS)
         self._check_constraint()
         if not isinstance(self.logprobs, bool):
             raise InvalidRequestError(f"logprobs must be a bool, got {self.logprobs!r}")

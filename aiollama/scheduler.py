@@ -23,9 +23,12 @@ Policy, in the order it is applied each step:
    never freezes running streams, and a step holds at most
    ``max(step_tokens, decode rows + MIN_PREFILL_CHUNK)`` tokens, never more than ``n_batch``.
    A sequence with a context-shift policy whose history has filled the context first drops the
-   older half of what follows its first ``n_keep`` tokens.
-4. Room. If the slices need more KV cells than are free: idle holders give theirs back (least
-   recently used first, parked in host memory when it has room), then prompt chunks shrink, then
+   older half of what follows its first ``n_keep`` tokens. A generation that speculates gets an
+   n-gram draft after its decode row (:mod:`aiollama.speculation`), within ``MAX_DRAFT_ROWS``
+   rows a step in all.
+4. Room. If the slices need more KV cells than are free: drafts are dropped, idle holders give
+   theirs back (least recently used first, parked in host memory when it has room), then prompt
+   chunks shrink, then
    the most recently started stream is preempted: parked too, it keeps its tokens and resumes
    first when room returns.
 """
@@ -35,10 +38,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from aiollama import speculation
 from aiollama.errors import ContextFull, InvalidRequestError
 from aiollama.hostcache import HostCache
 from aiollama.kvcache import MIN_PARK_TOKENS, KVManager, Phase, SeqState, unique_cells
 from aiollama.kvtree import common_prefix
+from aiollama.speculation import DraftLength
 from aiollama.step import Op, Plan, Slice, StepResult, StepStatus
 
 # Sharing a prefix that is still being prefilled is worth waiting for only if it saves this much.
@@ -47,6 +52,9 @@ MIN_SHARED_WAIT = 32
 MIN_PREFILL_CHUNK = 16
 # A parked state comes back only if it saves evaluating at least this many tokens.
 MIN_RESTORE_GAIN = 16
+# Draft tokens add at most this many rows to a step in all (the decode rows count too): drafts
+# pay where steps are small, not where the batch is already full.
+MAX_DRAFT_ROWS = 32
 
 __all__ = ["MIN_PREFILL_CHUNK", "Scheduler", "common_prefix"]
 
@@ -116,10 +124,11 @@ class Scheduler:
         self.kv.truncate(seq, n_tokens)
         seq.last_used = self.kv.tick()
 
-    def submit(self, conv: int, n_keep: int | None = None) -> tuple[int, int] | None:
+    def submit(self, conv: int, n_keep: int | None = None, draft: int = 0) -> tuple[int, int] | None:
         """The conversation wants to generate. With ``n_keep`` (a context-shift policy) a history too
         long for the context loses part of what follows its first ``n_keep`` tokens, and this
-        returns ``(n_keep, n_dropped)``; without, it raises ContextFull."""
+        returns ``(n_keep, n_dropped)``; without, it raises ContextFull. ``draft`` > 0: decode
+        steps carry n-gram drafts of up to that many tokens."""
         seq = self._seqs[conv]
         # Callers refuse a second generation before it gets here (ConversationBusy).
         assert seq.phase is Phase.IDLE, f"conversation {conv} is already generating"
@@ -137,6 +146,7 @@ class Scheduler:
             del seq.tokens[n_keep:n_keep + n]
             dropped = (n_keep, n)
         seq.n_keep = n_keep
+        seq.draft = DraftLength(draft) if draft > 0 else None
         seq.prompt_tokens, seq.cached_tokens, seq.preemptions, seq.restores = -1, 0, 0, 0
         seq.phase = Phase.WAITING
         seq.last_used = self.kv.tick()
@@ -151,7 +161,7 @@ class Scheduler:
         elif seq.phase is Phase.RUNNING:
             self._running.remove(seq)
         seq.phase = Phase.IDLE
-        seq.follow = seq.n_keep = None
+        seq.follow = seq.n_keep = seq.draft = None
         seq.last_used = self.kv.tick()
 
     def remove(self, conv: int) -> None:
@@ -197,10 +207,21 @@ class Scheduler:
             if seq.restoring:
                 self.kv.restored(seq, result.restored.get(seq.seq_id or 0, False))
         if result.status is StepStatus.OK:
-            for s in plan.slices:
-                self.kv.extend(self._seqs[s.conv], len(s.tokens))
+            taken: dict[int, int] = {}
             for sampled in result.sampled:
                 self._seqs[sampled.conv].tokens.append(sampled.token)
+                taken[sampled.conv] = taken.get(sampled.conv, 0) + 1
+            for s in plan.slices:
+                seq = self._seqs[s.conv]
+                if s.draft:
+                    # the pending token and the draft tokens the sampler took have their cells;
+                    # the executor removed the others'
+                    n = taken[s.conv]
+                    self.kv.extend(seq, n)
+                    if seq.draft is not None:
+                        seq.draft.record(s.draft, n - 1)
+                else:
+                    self.kv.extend(seq, len(s.tokens))
             return True
         if result.status is StepStatus.NO_KV_SLOT:
             return self.make_room()
@@ -313,6 +334,7 @@ class Scheduler:
     def _slices(self) -> list[Slice]:
         slices: list[Slice] = []
         prefill: list[SeqState] = []
+        drafting: list[int] = []
         for seq in self._running:
             assert seq.seq_id is not None
             if seq.restoring:
@@ -322,11 +344,14 @@ class Scheduler:
             if seq.pending == 1:
                 if len(slices) < self.n_batch:
                     pos = seq.n_cached
+                    if seq.draft is not None:
+                        drafting.append(len(slices))
                     slices.append(Slice(seq.conv, seq.seq_id, pos, (seq.tokens[pos],), True))
             elif not self._waits(seq):
                 prefill.append(seq)
-        room = self.n_batch - len(slices)
-        budget = min(room, max(self.step_tokens - len(slices), MIN_PREFILL_CHUNK))
+        rows = len(slices) + self._add_drafts(slices, drafting)
+        room = self.n_batch - rows
+        budget = min(room, max(self.step_tokens - rows, MIN_PREFILL_CHUNK))
         if prefill and budget > 0:
             start = self._rr % len(prefill)
             self._rr += 1
@@ -341,13 +366,31 @@ class Scheduler:
                 budget -= take
         return slices
 
+    def _add_drafts(self, slices: list[Slice], drafting: list[int]) -> int:
+        """Extend the decode slices at ``drafting`` with n-gram drafts, within ``MAX_DRAFT_ROWS``
+        rows in all and the context; return the rows added."""
+        spare = min(self.n_batch, MAX_DRAFT_ROWS) - len(slices)
+        added = 0
+        for i in drafting:
+            s = slices[i]
+            seq = self._seqs[s.conv]
+            assert seq.draft is not None
+            limit = min(seq.draft.current, spare - added, self.n_ctx - 1 - s.pos)
+            tokens = speculation.draft(seq.tokens, limit)
+            if tokens:
+                slices[i] = Slice(s.conv, s.seq_id, s.pos, s.tokens + tokens, True, len(tokens))
+                added += len(tokens)
+        return added
+
     def _fit(self, slices: list[Slice]) -> list[Slice]:
         """Drop or shrink slices until they fit in the free KV cells, evicting and preempting as needed."""
         def need() -> int:
             return sum(len(s.tokens) for s in slices)
 
-        self.kv.free_cells(need())
+        self.kv.free_cells(need() - sum(s.draft for s in slices))  # drafts never evict anything
         starved = False
+        if need() > self.kv.free:  # drafts go first
+            slices = [Slice(s.conv, s.seq_id, s.pos, s.tokens[:1], True) if s.draft else s for s in slices]
         while need() > self.kv.free:
             prompt_slices = [i for i, s in enumerate(slices) if len(s.tokens) > 1 or not s.logits]
             if not prompt_slices:

@@ -65,13 +65,20 @@ Op = Remove | Copy | Shift | Park | Restore
 @dataclass(frozen=True)
 class Slice:
     """Consecutive tokens of one sequence in one step. Only a slice that completes the sequence's
-    pending tokens asks for logits (of its last token), to sample the next one."""
+    pending tokens asks for logits (of its last token), to sample the next one.
+
+    With ``draft`` > 0 the last ``draft`` tokens are a speculative draft (see
+    :mod:`aiollama.speculation`): logits come for the pending token and each draft token, the
+    stream's sampler chooses token after token while it agrees with the draft, and the cells of
+    the draft tokens it did not take are removed.
+    """
 
     conv: int
     seq_id: int
     pos: int
     tokens: tuple[int, ...]
     logits: bool
+    draft: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,8 @@ class Sampled:
     """The token chosen for ``conv``, its bytes, and whether it ends generation (``eog``: an
     end-of-generation token; ``final``: the stream's constraint is complete, nothing may follow).
     With logprobs asked for: its log-probability and the most likely alternatives, as (token,
-    log-probability), most likely first."""
+    log-probability), most likely first. A step with a draft gives a conversation several, in
+    order: the accepted draft tokens, then the one chosen after them."""
 
     conv: int
     token: int

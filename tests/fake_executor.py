@@ -77,8 +77,11 @@ class ByteTokenizer:
         raise InvalidRequestError("the fake tokenizer has no built-in templates")
 
 
-def next_token(history: Sequence[int], eog_every: int | None) -> int:
-    """The fake model: a function of the history only."""
+def next_token(history: Sequence[int], eog_every: int | None, period: int | None = None) -> int:
+    """The fake model: a function of the history only. With ``period`` it repeats the token that
+    many places back (a model that copies: n-gram drafts from its history are right)."""
+    if period and len(history) >= period:
+        return history[-period]
     x = len(history)
     for t in history[-8:]:
         x = (x * 31 + t) % 1_000_003
@@ -100,7 +103,7 @@ class FakeExecutor:
     """
 
     def __init__(self, config: EngineConfig, *, eog_every: int | None = None, fault: Fault | None = None,
-                 hold: threading.Event | None = None) -> None:
+                 hold: threading.Event | None = None, period: int | None = None) -> None:
         self.n_ctx, self.n_batch = config.n_ctx, config.n_batch
         self.tokenizer = ByteTokenizer()
         self.n_seq_max = config.context_seq_ids(self.tokenizer.n_vocab)  # ids for the prefix cache too
@@ -109,6 +112,7 @@ class FakeExecutor:
         self.can_shift = True
         self.wakes = False  # the engine wakes consumers' loops before execute
         self.eog_every = eog_every
+        self.period = period
         self.fault = fault
         self.hold = hold
         self.prefilling = threading.Event()
@@ -128,7 +132,7 @@ class FakeExecutor:
 
     def _choose(self, conv: int, history: list[int]) -> tuple[int, bool]:
         """The fake model's token, or under a constraint the first token it allows if not that one."""
-        token = next_token(history, self.eog_every)
+        token = next_token(history, self.eog_every, self.period)
         matcher = self.matchers.get(conv)
         if matcher is None:
             return token, False
@@ -170,10 +174,23 @@ class FakeExecutor:
         assert self.kv.decode(plan)
         sampled = []
         for s in plan.slices:
-            if s.logits:
-                token, final = self._choose(s.conv, self.kv.tokens(s.seq_id))
-                sampled.append(Sampled(s.conv, token, self.tokenizer.piece(token), token in (EOS, IM_END), final))
+            if not s.logits:
+                continue
+            history = self.kv.tokens(s.seq_id)
+            held = len(history) - s.draft  # what precedes the draft
+            token, final = self._choose(s.conv, history[:held])
+            sampled.append(self._sampled(s.conv, token, final))
+            taken = 0
+            while taken < s.draft and token == s.tokens[1 + taken] and token not in (EOS, IM_END):
+                taken += 1  # the draft token is right: choose from the history that holds it
+                token, final = self._choose(s.conv, history[:held + taken])
+                sampled.append(self._sampled(s.conv, token, final))
+            if taken < s.draft:
+                self.kv.remove(s.seq_id, s.pos + 1 + taken)
         return StepResult(StepStatus.OK, tuple(sampled), parked=parked, restored=restored)
+
+    def _sampled(self, conv: int, token: int, final: bool) -> Sampled:
+        return Sampled(conv, token, self.tokenizer.piece(token), token in (EOS, IM_END), final)
 
     def read_state(self, seq_id: int) -> bytes:
         return self.kv.read(seq_id)

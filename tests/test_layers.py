@@ -20,7 +20,7 @@ LAYERS: dict[str, int] = {
     "aiollama._validate": 1, "aiollama.errors": 0, "aiollama.models": 0,
     "aiollama.reasoning": 1,
     # pure: the plan, the rules, what crosses the thread boundary
-    "aiollama.sampling": 2, "aiollama.text": 2, "aiollama.kvtree": 2, "aiollama.savefile": 2,
+    "aiollama.sampling": 2, "aiollama.text": 2, "aiollama.speculation": 2, "aiollama.kvtree": 2, "aiollama.savefile": 2,
     "aiollama.hostcache": 3, "aiollama.constraints": 3, "aiollama.toolcalls": 2,
     "aiollama.step": 3,
     "aiollama.kvcache": 4, "aiollama.chat": 4, "aiollama.boundary": 4,
@@ -40,7 +40,7 @@ LAYERS: dict[str, int] = {
 PURE = {"aiollama.sampling", "aiollama.text", "aiollama.step", "aiollama.kvcache", "aiollama.chat",
         "aiollama.boundary", "aiollama.scheduler", "aiollama.outbox", "aiollama.generations",
         "aiollama.hostcache", "aiollama.savefile", "aiollama.kvtree", "aiollama.constraints", "aiollama.toolcalls",
-        "aiollama.reasoning"}
+        "aiollama.reasoning", "aiollama.speculation"}
 NO_EVENT_LOOP = PURE | {"aiollama.engine_core", "aiollama.decode_loop", "aiollama.executor", "aiollama.embedder", "aiollama.tokenizer", "aiollama.native",
                         "aiollama.errors", "aiollama._validate"}
 NATIVE_USERS = {"aiollama.native", "aiollama.tokenizer", "aiollama.executor", "aiollama.embedder"}

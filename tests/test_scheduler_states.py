@@ -11,6 +11,8 @@ closes, forced evictions and steps keep every invariant:
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -65,14 +67,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
 
     @precondition(lambda self: self.sched.n_live)
-    @rule(data=st.data(), n=st.one_of(st.integers(1, 8), st.integers(60, 150)), shift=st.booleans())
-    def stream(self, data: st.DataObject, n: int, shift: bool) -> None:
+    @rule(data=st.data(), n=st.one_of(st.integers(1, 8), st.integers(60, 150)), shift=st.booleans(),
+          draft=st.sampled_from([0, 0, 4]))
+    def stream(self, data: st.DataObject, n: int, shift: bool, draft: int) -> None:
         conv = data.draw(st.sampled_from(self._live()))
         seq = self.sched.get(conv)
         if seq.phase is not Phase.IDLE or not seq.tokens:
             return
         try:
-            self.sched.submit(conv, n_keep=4 if shift else None)
+            self.sched.submit(conv, n_keep=4 if shift else None, draft=draft)
         except ContextFull:
             assert len(seq.tokens) >= N_CTX and not shift
             return
@@ -128,14 +131,31 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert s.conv not in self.cancelled, "a cancelled generation was scheduled"
             assert s.conv in self.limits
         assert self.kv.decode(plan), "the plan did not fit the KV cache"
-        sampled = tuple(Sampled(s.conv, 7, b"", False) for s in plan.slices if s.logits)
-        self.sched.update(plan, StepResult(StepStatus.OK, sampled, parked=parked, restored=restored))
+        sampled: list[Sampled] = []
+        for s in plan.slices:  # the model always says 7; a draft is taken while it says 7 too
+            if not s.logits:
+                continue
+            sampled.append(Sampled(s.conv, 7, b"", False))
+            taken = 0
+            while taken < s.draft and s.tokens[1 + taken] == 7:
+                taken += 1
+                sampled.append(Sampled(s.conv, 7, b"", False))
+            if taken < s.draft:
+                self.kv.remove(s.seq_id, s.pos + 1 + taken)
+        self.sched.update(plan, StepResult(StepStatus.OK, tuple(sampled), parked=parked, restored=restored))
+        left = {s.conv: sum(1 for x in sampled if x.conv == s.conv) for s in sampled}
         for s in sampled:
+            left[s.conv] -= 1
+            if s.conv not in self.limits:
+                continue  # it ended earlier in this step's draft
             self.limits[s.conv] -= 1
             seq = self.sched.get(s.conv)
-            if self.limits[s.conv] == 0 or (len(seq.tokens) >= N_CTX and seq.n_keep is None):
+            if self.limits[s.conv] == 0 or (len(seq.tokens) - left[s.conv] >= N_CTX and seq.n_keep is None):
                 self.sched.finish(s.conv)
                 del self.limits[s.conv]
+                if left[s.conv]:  # what the draft gave past the end goes, as the engine does
+                    self.sched.rewind(s.conv, len(seq.tokens) - left[s.conv])
+                    self._apply_ops()
 
     @invariant()
     def seq_ids_are_unique_and_in_range(self) -> None:
@@ -185,4 +205,4 @@ class SchedulerMachine(RuleBasedStateMachine):
 _empty = Plan()
 
 TestScheduler = SchedulerMachine.TestCase
-TestScheduler.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestScheduler.settings = settings(max_examples=int(os.environ.get("AIOLLAMA_STATE_EXAMPLES", 150)), stateful_step_count=40, deadline=None)

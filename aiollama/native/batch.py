@@ -98,8 +98,10 @@ class Batch(Handle):
         self.n_tokens = i + 1
         return i
 
-    def add_tokens(self, tokens: Sequence[int], pos: int, seq_id: int, *, output_last: bool = False) -> int:
-        """Append consecutive tokens of one sequence from ``pos`` on; return the index of the last row."""
+    def add_tokens(self, tokens: Sequence[int], pos: int, seq_id: int, *, output_last: bool = False,
+                   n_outputs: int = 0) -> int:
+        """Append consecutive tokens of one sequence from ``pos`` on; return the index of the last row.
+        ``output_last`` asks for the last row's logits, ``n_outputs`` for the last ``n_outputs`` rows'."""
         integer("pos", pos)
         ids = list(tokens)
         if not ids:
@@ -120,9 +122,10 @@ class Batch(Handle):
         for i in range(n, n + k):
             seq_rows[i][0] = seq_id
         last = n + k - 1
-        if output_last:
-            c.logits[last] = 1
-            self.outputs.append(last)
+        n_out = max(int(output_last), integer("n_outputs", n_outputs, low=0, high=k))
+        for row in range(last - n_out + 1, last + 1):
+            c.logits[row] = 1
+            self.outputs.append(row)
         self.max_token = max(self.max_token, max(ids))
         self.n_tokens = n + k
         return last

@@ -1,0 +1,69 @@
+"""Speculative decoding without a draft model: n-gram (prompt-lookup) drafts. Pure.
+
+A generation that repeats what its history holds (a summary quoting its input, code edited in
+place, a list copied with changes) can be decoded several tokens a step. The draft is what followed
+the latest earlier occurrence of the history's last few tokens; the step evaluates the pending token
+and the draft together, with logits for each, and the stream's own sampler chooses token after token
+while it agrees with the draft. Every token is sampled from the logits of the true history, one
+random draw each, in order, so the text (greedy, or seeded) is the text without drafts; a draft
+only saves steps. Drafts come from the conversation's own history, so a fork drafts from its
+parent's tokens too.
+
+The draft length adapts per stream: it doubles (up to the limit) when the whole draft was taken,
+and halves when nothing was, so a stream that does not copy soon costs one extra row a step.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+NGRAM_SIZES = (4, 3, 2)  # the longest match that has a continuation wins
+WINDOW = 8192  # how far back a match is looked for
+
+
+def draft(tokens: Sequence[int], limit: int) -> tuple[int, ...]:
+    """Up to ``limit`` tokens that followed the latest earlier occurrence of the history's last
+    n-gram (longest n first); empty when there is none."""
+    if limit <= 0 or len(tokens) < 2:
+        return ()
+    start = max(0, len(tokens) - WINDOW)
+    window = array("i", tokens[start:])
+    data = window.tobytes()
+    size = window.itemsize
+    n_tokens = len(window)
+    for n in NGRAM_SIZES:
+        if n_tokens <= n:
+            continue
+        needle = data[-n * size:]
+        end = len(data) - size  # the match must end before the history's last token
+        while True:
+            at = data.rfind(needle, 0, end)
+            if at < 0:
+                break
+            if at % size == 0:  # on a token boundary
+                first = at // size + n
+                if first < n_tokens:
+                    return tuple(window[first:first + limit])
+                break
+            end = at + n * size - 1  # a misaligned hit: look further back
+    return ()
+
+
+class DraftLength:
+    """A stream's draft length: doubles after a fully accepted draft, halves after a rejected one."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.current = limit
+        self.drafted = 0
+        self.accepted = 0
+
+    def record(self, offered: int, taken: int) -> None:
+        """A draft of ``offered`` tokens had ``taken`` of them accepted."""
+        self.drafted += offered
+        self.accepted += taken
+        if taken == offered:
+            self.current = min(self.limit, max(1, self.current) * 2)
+        elif taken == 0:
+            self.current = max(1, self.current // 2)
