@@ -172,7 +172,7 @@ async def test_tools_reach_the_template(plain_model: Path) -> None:
         assert "<tool_response>\n4 degrees, rain\n</tool_response>" in rendered
         # A chat turn appends exactly that render, and a required call is constrained to the tools.
         conv = engine.conversation()
-        stream = conv.chat(history, tools=[WEATHER], tool_choice="required", max_tokens=64)
+        stream = conv.chat(history, tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0)
         assert list(conv.tokens) == engine.tokenize(rendered, add_special=True, special=True)
         result = await stream
         assert [call.name for call in result.tool_calls] == ["get_weather"]

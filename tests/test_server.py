@@ -218,7 +218,7 @@ async def test_overload_answers_503_with_retry_after_and_sigterm_is_graceful(tin
 
 async def overload_then_sigterm(small: Server) -> None:
     async with small.client() as client:
-        running = await client.completions.create(model="x", prompt="Running", max_tokens=40, temperature=0,
+        running = await client.completions.create(model="x", prompt="Running", max_tokens=300, temperature=0,
                                                   stream=True)
         first = await running.__anext__()
         waiting = await client.completions.create(model="x", prompt="Waiting", max_tokens=5, temperature=0,
