@@ -75,6 +75,45 @@ def markdown(r: dict[str, Any]) -> str:
         f"{_f(s5['serialized_tps'])} tokens/s, against {_f(s5['batched_tps'])} batched: "
         f"batching buys {_f(s5['speedup'], 2)}×.",
         "",
+    ]
+    fast = r.get("fast")
+    if fast:
+        shape = fast["shape"]
+        lines += [
+            f"**6. A fast model** (random weights, width {shape['n_embd']}, {shape['n_layer']} layers, SmolLM2's "
+            "vocabulary: short steps, where per-step overhead shows as on a GPU; same prompts and tokens as 1)",
+            "",
+            "| streams | aiollama decode | batched-bench S_TG | llama-server decode | aiollama / S_TG | aiollama / server |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for n in fast["levels"]:
+            a = fast["aiollama"].get(str(n), {}).get("decode_tps")
+            b = fast["batched_bench"].get(str(n), {}).get("s_tg")
+            sv = fast["llama_server"].get(str(n), {}).get("decode_tps")
+            lines.append(f"| {n} | {_f(a)} | {_f(b)} | {_f(sv)} | {_f(a / b if a and b else None, 2)} "
+                         f"| {_f(a / sv if a and sv else None, 2)} |")
+        lines.append("")
+    spec = r.get("speculation")
+    if spec:
+        lines += [
+            "**7. Speculation** (greedy chat copying a 90-word text back, at most 192 tokens; decode tokens/s; "
+            "aiollama's n-gram drafts of up to 8 tokens against llama-server's `--spec-type ngram-simple "
+            "--spec-draft-n-max 8`)",
+            "",
+            "| streams | aiollama | aiollama, drafts | gain | steps | same text | llama-server | llama-server, ngram "
+            "| gain |",
+            "|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        ]
+        for n, row in spec.items():
+            a, s_ = row["aiollama"], row["llama_server"]
+            plain, drafted = a["draft_0"], a[[k for k in a if k.startswith("draft_") and k != "draft_0"][0]]
+            lines.append(
+                f"| {n} | {_f(plain['decode_tps'])} | {_f(drafted['decode_tps'])} "
+                f"| {_f(drafted['decode_tps'] / plain['decode_tps'], 2)}× | {plain['decode_steps']} → "
+                f"{drafted['decode_steps']} | {'yes' if a['identical'] else 'no'} | {_f(s_['none']['decode_tps'])} "
+                f"| {_f(s_['ngram']['decode_tps'])} | {_f(s_['ngram']['decode_tps'] / s_['none']['decode_tps'], 2)}× |")
+        lines.append("")
+    lines += [
         "**Targets**",
         "",
         "| target | measured | met |",

@@ -23,6 +23,7 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiollama  # noqa: E402
+import fast_model  # noqa: E402
 import report  # noqa: E402
 import scenarios as sc  # noqa: E402
 import tools  # noqa: E402
@@ -66,7 +67,43 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     o8 = r["overhead"].get("8")
     if o8 is not None:
         rows.append({"target": "overhead <= 5% at 8 streams", "measured": f"{100 * o8:.1f}%", "met": o8 <= 0.05})
+    fast = r.get("fast")
+    for n in (8, 32):
+        if not fast or str(n) not in fast["aiollama"]:
+            continue
+        a = fast["aiollama"][str(n)]["decode_tps"]
+        b = fast["batched_bench"].get(str(n), {}).get("s_tg")
+        s = fast["llama_server"].get(str(n), {}).get("decode_tps")
+        if b:
+            rows.append({"target": f"fast model, {n} streams: aiollama >= 0.95 x batched-bench S_TG",
+                         "measured": f"{a / b:.2f} x", "met": a / b >= 0.95})
+        if s:
+            rows.append({"target": f"fast model, {n} streams: aiollama >= 1.25 x llama-server",
+                         "measured": f"{a / s:.2f} x", "met": a / s >= 1.25})
+    spec = r.get("speculation", {}).get("1")
+    if spec:
+        ours = spec["aiollama"]
+        gain = ours[f"draft_{sc.DRAFT_TOKENS}"]["decode_tps"] / ours["draft_0"]["decode_tps"]
+        rows.append({"target": "speculation, 1 stream: >= 1.5 x tokens/s on the copying prompt, identical greedy text",
+                     "measured": f"{gain:.2f} x, {'identical' if ours['identical'] else 'DIFFERENT'}",
+                     "met": gain >= 1.5 and ours["identical"]})
     return rows
+
+
+async def fast_scenario(bins: dict[str, Path], threads: int, levels: list[int], repeats: int) -> dict[str, Any]:
+    """The throughput scenario on the fast random model, where per-step overhead shows."""
+    model = fast_model.path()
+    n_vocab = 49152
+    return {
+        "model": model.name, "shape": fast_model.SHAPE, "levels": levels,
+        "batched_bench": {str(k): v for k, v in
+                          sc.batched_bench(bins["llama-batched-bench"], model, threads, levels, repeats).items()},
+        "aiollama": {str(k): v for k, v in
+                     (await sc.throughput_aiollama(model, threads, levels, n_vocab, repeats)).items()},
+        "llama_server": {str(k): v for k, v in
+                         (await sc.throughput_server(bins["llama-server"], model, threads, levels, n_vocab,
+                                                     repeats)).items()},
+    }
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -115,6 +152,16 @@ async def main(args: argparse.Namespace) -> int:
             r["profile"] = []
     print("5. serialized baseline", flush=True)
     r["serialized"] = await sc.serialized_aiollama(model, threads, 8, n_vocab)
+    if not args.no_fast:
+        print("6. fast model", flush=True)
+        r["fast"] = await fast_scenario(bins, threads, [1, 8] if args.quick else [1, 8, 32, 64], args.repeats)
+    print("7. speculation", flush=True)
+    r["speculation"] = {}
+    for n in (1, 4):
+        ours, batch = await sc.speculation_aiollama(model, threads, n, n_vocab)
+        r["speculation"][str(n)] = {"aiollama": ours,
+                                    "llama_server": await sc.speculation_server(bins["llama-server"], model, threads, n,
+                                                                                batch)}
     r["targets"] = targets(r)
     stem = f"{r['date']}-{platform.machine()}-{r['machine']['cpus']}cpu" + ("-quick" if args.quick else "")
     paths = report.write(r, Path(args.out), stem)
@@ -134,4 +181,5 @@ if __name__ == "__main__":
                         help="runs per throughput measurement; the best counts (default 2)")
     parser.add_argument("--out", default=str(RESULTS), help="results folder")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--no-fast", action="store_true", help="skip the fast-model scenario")
     sys.exit(anyio.run(main, parser.parse_args()))

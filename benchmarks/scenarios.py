@@ -243,6 +243,87 @@ async def fork_scenario(model: Path, threads: int, n_vocab: int) -> dict[str, An
     return out
 
 
+# 6. speculation: a prompt that copies from its input, greedy, drafts against none
+
+COPY_TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. She lit the great lamp, "
+             "wound the clockwork that turned the lens, and wrote the weather in her logbook. Ships passed "
+             "safely through the narrow channel between the rocks, and the village slept soundly below the "
+             "cliffs. In winter the storms came from the west, and the waves broke over the lower windows; "
+             "in summer the gulls nested on the gallery and the keeper's daughter counted their eggs.")
+COPY_TOKENS = 192
+DRAFT_TOKENS = 8
+
+
+def copy_prompts(e: aiollama.Engine, n: int) -> list[list[int]]:
+    """``n`` chat prompts asking for the text back, its sentences in a different order each."""
+    sentences = [x.strip() + "." for x in COPY_TEXT.split(".") if x.strip()]
+    out = []
+    for i in range(n):
+        text = " ".join(sentences[i % len(sentences):] + sentences[:i % len(sentences)])
+        out.append(e.tokenize(e.render_chat(f"Copy this text exactly, word for word:\n\n{text}"), add_special=True,
+                              special=True))
+    return out
+
+
+async def speculation_aiollama(model: Path, threads: int, n: int, n_vocab: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """Greedy copies without drafts and with; also the prompts (for llama-server's turn)."""
+    out: dict[str, Any] = {}
+    async with engine(model, threads, n_seq_max=max(n, 2), n_ctx=4096) as e:
+        batch = copy_prompts(e, n)
+        await aiollama_streams(e, prompts(1, PROMPT_TOKENS, n_vocab, seed=99), 8)
+        tokens = {}
+        for draft in (0, DRAFT_TOKENS):
+            timings = [StreamTiming(0.0) for _ in batch]
+            got: list[list[int]] = [[] for _ in batch]
+            before = e.statistics()
+
+            async def one(i: int) -> None:
+                async with e.conversation(batch[i]) as conv:
+                    timings[i].start = time.perf_counter()
+                    async for chunk in conv.stream(max_tokens=COPY_TOKENS, temperature=0.0, draft_tokens=draft):
+                        timings[i].arrivals.extend([time.perf_counter()] * len(chunk.tokens))
+                        got[i] += chunk.tokens
+
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(one, i)
+            await e.clear_cache()
+            after = e.statistics()
+            tokens[draft] = got
+            out[f"draft_{draft}"] = throughput(timings) | {"decode_steps": after.decode_steps - before.decode_steps}
+        out["identical"] = tokens[0] == tokens[DRAFT_TOKENS]
+    return out, batch
+
+
+async def speculation_server(binary: Path, model: Path, threads: int, n: int, batch: list[list[int]]) -> dict[str, Any]:
+    import httpx
+
+    from server import stream_completion
+
+    out: dict[str, Any] = {}
+    tokens = {}
+    for name, extra in (("none", []), ("ngram", ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(DRAFT_TOKENS)])):
+        server = LlamaServer(binary, model, n_parallel=max(n, 1), n_ctx=4096 * max(n, 1), threads=threads)
+        server.cmd += extra
+        with server:
+            await run_clients(server.url, [batch[0][:16]], 4)
+            timings = [StreamTiming(0.0) for _ in batch]
+            got: list[list[int]] = [[] for _ in batch]
+            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4)) as client:
+                async def one(i: int) -> None:
+                    timings[i].start = time.perf_counter()
+                    got[i] = await stream_completion(client, server.url, batch[i], COPY_TOKENS, i, timings[i],
+                                                     {"temperature": 0.0})
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(n):
+                        tg.start_soon(one, i)
+        tokens[name] = got
+        out[name] = throughput(timings)
+    out["identical"] = tokens["none"] == tokens["ngram"]
+    return out
+
+
 # 4. python overhead: a profile of where the decode thread spends the time outside llama_decode
 
 async def profile_decode_thread(model: Path, threads: int, n: int, n_vocab: int, out: Path) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import anyio
 import httpx
@@ -63,11 +64,15 @@ class LlamaServer:
                 self.proc.wait()
 
 
+SAMPLING: dict[str, Any] = {"ignore_eos": True, "temperature": 0.7}  # the throughput scenarios'
+
+
 async def stream_completion(client: httpx.AsyncClient, url: str, prompt: list[int], n_predict: int,
-                            seed: int, timing: StreamTiming) -> None:
-    """One streaming /completion; records the arrival time of every token."""
-    body = {"prompt": prompt, "n_predict": n_predict, "stream": True, "ignore_eos": True,
-            "temperature": 0.7, "seed": seed, "cache_prompt": False, "return_tokens": True}
+                            seed: int, timing: StreamTiming, sampling: dict[str, Any] | None = None) -> list[int]:
+    """One streaming /completion; records the arrival time of every token, returns the tokens."""
+    body = {"prompt": prompt, "n_predict": n_predict, "stream": True, **(SAMPLING if sampling is None else sampling),
+            "seed": seed, "cache_prompt": False, "return_tokens": True}
+    got: list[int] = []
     async with client.stream("POST", url + "/completion", json=body, timeout=None) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -78,10 +83,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, prompt: list[in
             tokens = event.get("tokens") or []
             if tokens:
                 timing.arrivals.extend([now] * len(tokens))
+                got += tokens
             elif event.get("content") and not event.get("stop"):
                 timing.arrivals.append(now)
             if event.get("stop"):
                 break
+    return got
 
 
 async def run_clients(url: str, prompts: list[list[int]], n_predict: int) -> list[StreamTiming]:
