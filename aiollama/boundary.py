@@ -114,12 +114,20 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class GenerationStats:
-    """What one generation cost, on its last chunk and its completion.
+    """What one generation cost and where its time went, on its last chunk and its completion.
 
     ``prompt_tokens``: the history it continued; ``cached_tokens``: how many of those were not
-    evaluated (shared from the KV cache or restored from host memory); ``preemptions``: how often it
-    was stopped to free cells; ``restores``: how often its state came back from host memory;
-    ``drafted`` and ``accepted``: speculative draft tokens evaluated, and those the sampler took.
+    evaluated (shared from the KV cache or restored from host memory); ``prompt_evaluated``: prompt
+    tokens it evaluated (re-evaluations after a preemption included); ``decode_steps``: steps that
+    gave it tokens; ``preemptions``: how often it was stopped to free cells; ``restores``: how often
+    its state came back from host memory; ``drafted`` and ``accepted``: speculative draft tokens
+    evaluated, and those the sampler took.
+
+    Times, in seconds, measured on the decode thread from the ``stream()`` call:
+    ``queue_seconds`` until it first got a sequence (admission), ``prefill_seconds`` from then to
+    its first token, ``decode_seconds`` from its first token to its end; ``total_seconds`` is their
+    sum, and ``time_to_first_token`` ``queue_seconds + prefill_seconds``. A generation that ends
+    before its first token has ``decode_seconds`` 0.
     """
 
     prompt_tokens: int = 0
@@ -128,6 +136,19 @@ class GenerationStats:
     restores: int = 0
     drafted: int = 0
     accepted: int = 0
+    prompt_evaluated: int = 0
+    decode_steps: int = 0
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def time_to_first_token(self) -> float:
+        return self.queue_seconds + self.prefill_seconds
+
+    @property
+    def total_seconds(self) -> float:
+        return self.queue_seconds + self.prefill_seconds + self.decode_seconds
 
 
 @dataclass(frozen=True)
@@ -236,12 +257,17 @@ class Fork:
 
 @dataclass(frozen=True)
 class Generate:
-    """Start generating; ``matcher`` is the compiled constraint (llguidance), if any."""
+    """Start generating; ``matcher`` is the compiled constraint (llguidance), if any; ``guide`` the
+    conversation whose logits guide this one's (classifier-free guidance) with ``guidance_scale``;
+    ``created``: when the caller asked (``time.perf_counter()``)."""
 
     conv: int
     params: SamplingParams
     sink: Sink
     matcher: Any = None
+    guide: int | None = None
+    guidance_scale: float = 1.0
+    created: float = 0.0
 
 
 @dataclass(frozen=True)

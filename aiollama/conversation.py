@@ -14,9 +14,11 @@ appends after that generation ends.
 
 from __future__ import annotations
 
+import math
 import os
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -36,6 +38,8 @@ from aiollama.toolcalls import call_schema, tool_names
 __all__ = ["Chunk", "Completion", "Conversation", "Stream", "SyncConversation", "SyncStream"]
 
 _C = TypeVar("_C", bound="_ConversationBase")
+
+GUIDANCE = ("guidance", "guidance_scale")  # stream parameters that are not sampling parameters
 
 
 class _ConversationBase:
@@ -130,7 +134,8 @@ class _ConversationBase:
                 params = {**params, "json_schema": schema}
             if tool_choice == "none":
                 tools = None
-        SamplingParams.from_kwargs(**params)  # a bad parameter must not leave half a turn behind
+        # a bad parameter must not leave half a turn behind
+        SamplingParams.from_kwargs(**{k: v for k, v in params.items() if k not in GUIDANCE})
         self.append_chat(messages, tools=tools)
         return params
 
@@ -192,10 +197,48 @@ class _ConversationBase:
         return savefile.dump(savefile.Saved(item.tokens, item.n_cached, item.state, self._chat.state(),
                                             self._core.fingerprint))
 
-    def _start(self, params: dict[str, Any], sink: AsyncSink | ThreadSink, stream: StreamBase) -> None:
+    def _guidance(self, params: dict[str, Any]) -> tuple[_ConversationBase | None, float]:
+        """Take ``guidance`` and ``guidance_scale`` out of a stream's parameters, checked."""
+        guide = params.pop("guidance", None)
+        scale = params.pop("guidance_scale", None)
+        if guide is None:
+            if scale is not None:
+                raise InvalidRequestError("guidance_scale needs guidance=<a conversation>")
+            return None, 1.0
+        if not isinstance(guide, _ConversationBase) or guide._core is not self._core:
+            raise InvalidRequestError(f"guidance must be a conversation of the same engine, got {guide!r}")
+        if guide is self:
+            raise InvalidRequestError("a conversation cannot guide its own stream")
+        if scale is None:
+            scale = 1.0
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise InvalidRequestError(f"guidance_scale must be a finite number, got {scale!r}")
+        guide._check()
+        guide._check_settled("guiding another stream")
+        if not len(guide):
+            raise InvalidRequestError("the guidance conversation is empty: prompt it first")
+        return guide, float(scale)
+
+    def _take(self, guide: _ConversationBase | None) -> Callable[[Item], None]:
+        """What the stream's sink does with each delivered item: the histories it extends."""
+        if guide is None:
+            return self._history.take
+        mine, theirs = self._history.take, guide._history.take
+
+        def take(item: Item) -> None:
+            mine(item)
+            theirs(item)
+        return take
+
+    def _start(self, params: dict[str, Any], sink: AsyncSink | ThreadSink, stream: StreamBase,
+               guide: _ConversationBase | None = None, scale: float = 1.0) -> None:
+        created = time.perf_counter()
         self._check()
         sampling = SamplingParams.from_kwargs(**params)
         self._check_idle()
+        if guide is not None:
+            if sampling.context_shift:
+                raise InvalidRequestError("a guided stream cannot shift its context: the two histories stay in step")
         inside = self._core.in_thinking(self._history.tokens[-4:])
         matcher = self._core.constraint(sampling, inside_thinking=inside)
         admission = self._core.admission
@@ -203,12 +246,19 @@ class _ConversationBase:
             raise Overloaded(f"{admission.limit} generations are already waiting (max_queued); retry later")
         start = len(self)
         self._history.generating()  # before the command: its answer may come at once (SyncEngine)
+        if guide is not None:
+            guide._history.generating()
         try:
-            self._core.send(Generate(self.id, sampling, sink, matcher))
+            self._core.send(Generate(self.id, sampling, sink, matcher, None if guide is None else guide.id,
+                                     scale, created))
         except BaseException:
             admission.leave()
             self._history.not_generating()
+            if guide is not None:
+                guide._history.not_generating()
             raise
+        if guide is not None:
+            guide._last_stream = weakref.ref(stream)
         self._chat.streaming(start, stream._result)
         stream._result.tool_names, self._tool_names = self._tool_names, []
         stream._result.in_thinking = inside
@@ -270,7 +320,14 @@ class Conversation(_ConversationBase):
 
         Parameters are those of :class:`aiollama.sampling.SamplingParams` (max_tokens, temperature,
         top_k, top_p, min_p, typical_p, repeat_penalty, frequency_penalty, presence_penalty,
-        penalty_last_n, seed, logit_bias, grammar, stop, ignore_eos, context_shift, n_keep).
+        penalty_last_n, seed, logit_bias, grammar, stop, ignore_eos, context_shift, n_keep,
+        draft_tokens, json_schema, regex, lark, logprobs, top_logprobs, logits_processors, priority).
+
+        ``guidance=other`` with ``guidance_scale=w`` (classifier-free guidance): ``other``, a
+        conversation of the same engine (a negative prompt, say), is decoded in the same batch at
+        every step, this stream samples from ``g + w * (l - g)`` (``l`` its own logits, ``g``
+        the other's), and each token chosen is appended to both. Scale 1 is the plain stream.
+        ``other`` counts as generating until the stream ends: its prompts wait, it cannot stream.
 
         Raises:
             InvalidRequestError: a bad parameter (a ValueError naming it).
@@ -280,9 +337,10 @@ class Conversation(_ConversationBase):
         The stream itself raises ContextFull when the history fills the context (unless it shifts
         the context), and GrammarError for a grammar that does not parse.
         """
-        sink = AsyncSink(self._core.check_loop(), self._history.take)
+        guide, scale = self._guidance(params)
+        sink = AsyncSink(self._core.check_loop(), self._take(guide))
         stream = Stream(self._history, self._cancel, sink)
-        self._start(params, sink, stream)
+        self._start(params, sink, stream, guide, scale)
         return stream
 
     def chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = "auto",
@@ -342,9 +400,10 @@ class SyncConversation(_ConversationBase):
 
     def stream(self, **params: Any) -> SyncStream:
         """Start generating; iterate the result, or call ``result()``. See ``Conversation.stream``."""
-        sink = ThreadSink(self._history.take)
+        guide, scale = self._guidance(params)
+        sink = ThreadSink(self._take(guide))
         stream = SyncStream(self._history, self._cancel, sink)
-        self._start(params, sink, stream)
+        self._start(params, sink, stream, guide, scale)
         return stream
 
     def chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = "auto",

@@ -126,6 +126,11 @@ class _EngineBase:
     def n_ctx(self) -> int:
         return self._client.n_ctx
 
+    @property
+    def n_vocab(self) -> int:
+        """The model's vocabulary size: the length of a logits row."""
+        return self._client.tokenizer.n_vocab
+
     def _new(self, cls: type[Any], prompt: str | Sequence[int] | None) -> Any:
         core = self._client
         core.check()

@@ -112,6 +112,9 @@ class EngineCore:
             self._no_slot_streak = 0
             for conv, past_end in self.generations.update(result, self.scheduler).items():
                 self.end(conv, past_end=past_end)
+            for conv, exc in result.failed.items():
+                if conv in self.generations:
+                    self.end(conv, error=exc)
         elif result.status is StepStatus.NO_KV_SLOT:
             # Planning keeps batches within the free cells, so this is rare: the scheduler frees
             # cells by force; give up only if it keeps happening with nothing left to free.
@@ -142,13 +145,16 @@ class EngineCore:
         elif isinstance(command, Close):
             if command.conv in gens:
                 self.end(command.conv, FinishReason.CANCELLED)
+            guided = gens.guided_by(command.conv)
+            if guided is not None:
+                self.end(guided, error=ConversationClosed("the conversation guiding this one was closed"))
             if command.conv in sched:
                 sched.remove(command.conv)
             gens.forget(command.conv)
             if command.ack is not None:
                 self.outbox.emit(command.ack, Ack())
         elif isinstance(command, Rewind):
-            if command.conv in sched and command.conv not in gens:
+            if command.conv in sched and command.conv not in gens and gens.guided_by(command.conv) is None:
                 sched.rewind(command.conv, command.n_tokens)
         elif isinstance(command, Save):
             self._save(command)
@@ -171,15 +177,23 @@ class EngineCore:
             if conv in self.generations:
                 raise ConversationBusy("the conversation is already generating: read that stream to its "
                                        "end or cancel it first")
+            if self.generations.guided_by(conv) is not None:
+                raise ConversationBusy("the conversation guides another one's stream: wait for that to end")
+            guide = command.guide
+            if guide is not None:
+                self._check_guide(conv, guide)
             params = command.params
             shifts = self.config.context_shift if params.context_shift is None else params.context_shift
+            shifts = shifts and guide is None  # the two histories stay in step
             n_keep = self.config.n_keep if params.n_keep is None else params.n_keep
             draft = self.config.draft_tokens if params.draft_tokens is None else params.draft_tokens
             if command.matcher is not None:
                 draft = 0  # a constraint's mask needs the tokens before it: one row at a time
-            self.executor.start_sampling(conv, params, self.scheduler.get(conv).tokens, command.matcher)
+            self.executor.start_sampling(conv, params, self.scheduler.get(conv).tokens, command.matcher,
+                                         guidance=None if guide is None else (guide, command.guidance_scale))
             try:
-                dropped = self.scheduler.submit(conv, n_keep if shifts else None, draft)
+                dropped = self.scheduler.submit(conv, n_keep if shifts else None, draft, priority=params.priority,
+                                                guide=guide)
             except BaseException:
                 self.executor.stop_sampling(conv)
                 raise
@@ -187,7 +201,14 @@ class EngineCore:
             self.admission.leave()
             self.outbox.emit(command.sink, Delta(error=exc))
             return
-        self.generations.start(conv, params, command.sink, shifts=shifts, dropped=dropped)
+        self.generations.start(conv, params, command.sink, shifts=shifts, dropped=dropped, guide=guide,
+                               created=command.created)
+
+    def _check_guide(self, conv: int, guide: int) -> None:
+        if guide not in self.scheduler:
+            raise ConversationClosed("the guidance conversation is closed")
+        if guide in self.generations or self.generations.guided_by(guide) is not None:
+            raise ConversationBusy("the guidance conversation is generating or guiding another stream")
 
     def _sync_kv(self) -> None:
         """Apply the KV operations decided since the last step (between steps, before reading or
@@ -230,8 +251,11 @@ class EngineCore:
         """End ``conv``'s generation: tell its stream (unless its last delta said so), free its
         sampler, keep its KV as a cache, and append the prompts that waited for it. ``past_end``
         tokens at the end of the history came after the generation's end (drafted): they go."""
-        stats = stats_of(self.scheduler.get(conv)) if reason is not None else None
-        deferred = self.generations.end(conv, reason, error, stats)
+        gens = self.generations
+        stats = stats_of(self.scheduler.get(conv), gens.get(conv)) if reason is not None or error is not None \
+            else None
+        guide = gens.get(conv).guide
+        deferred = gens.end(conv, reason, error, stats)
         self.executor.stop_sampling(conv)
         self.scheduler.finish(conv)
         if past_end:
@@ -239,6 +263,10 @@ class EngineCore:
             self._counters.tokens_generated -= past_end
         for tokens in deferred:
             self.scheduler.append(conv, tokens)
+        if guide is not None and guide in self.scheduler:
+            for tokens in gens.deferred(guide):
+                self.scheduler.append(guide, tokens)
+            gens.forget(guide)
 
     def end_all(self, error: BaseException) -> None:
         """The engine closes: end every generation with ``error``."""

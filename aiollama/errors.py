@@ -7,6 +7,7 @@ already catches those keeps working::
     AiollamaError
     ├── Overloaded                  the engine's queue is full; retry later         (act on it)
     ├── ContextFull                 a history longer than the context can hold      (act on it)
+    ├── LogitsProcessorError        a stream's logits processor raised (its __cause__)
     ├── ClosedError                 something was used after it was closed (also RuntimeError)
     │   ├── EngineClosed                the engine was closed, or not started
     │   └── ConversationClosed          the conversation was closed
@@ -32,7 +33,7 @@ already catches those keeps working::
                                     users as the __cause__ of EngineDead
 
 Input errors leave every state untouched: the caller can fix the input and go on.
-``Overloaded`` and ``ContextFull`` concern one request; the engine keeps serving everyone else.
+``Overloaded``, ``ContextFull`` and ``LogitsProcessorError`` concern one request; the engine keeps serving everyone else.
 ``EngineDead`` means the engine is gone: every waiting stream and every later call gets it.
 ``tests/test_errors.py`` keeps this tree complete and in the order of the classes below.
 """
@@ -50,6 +51,11 @@ class Overloaded(AiollamaError):
 
 class ContextFull(AiollamaError):
     """The conversation's history alone is as long as the context: nothing can be generated."""
+
+
+class LogitsProcessorError(AiollamaError):
+    """A logits processor of the stream raised; the exception it raised is the ``__cause__``. Only
+    that stream ends."""
 
 
 class ClosedError(AiollamaError, RuntimeError):

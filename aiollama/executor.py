@@ -22,12 +22,12 @@ import numpy as np
 from aiollama.boundary import EngineConfig
 from aiollama.constraints import Masks
 from aiollama.embedder import Embedder, is_embedding_model
-from aiollama.errors import DecodeError, InvalidRequestError, StateRestoreError, UnsupportedModel
+from aiollama.errors import DecodeError, InvalidRequestError, LogitsProcessorError, StateRestoreError, UnsupportedModel
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus, sample_rows
 from aiollama.native.binding import lib
 from aiollama.native.sampler import DEFAULT_SEED
 from aiollama.outbox import wake_fds
-from aiollama.sampling import SamplingParams
+from aiollama.sampling import LogitsProcessor, SamplingParams
 from aiollama.step import Copy, Op, Park, Plan, Remove, Restore, Sampled, Shift, Slice, StepResult, StepStatus, Tokenizer
 from aiollama.tokenizer import VocabTokenizer
 
@@ -85,10 +85,39 @@ class _Sampler:
     chain: SamplerChain
     matcher: Any = None  # an llguidance matcher: the stream's constraint
     top_logprobs: int = -1  # -1: no log-probabilities wanted
+    processors: tuple[LogitsProcessor, ...] = ()
+    history: list[int] | None = None  # kept only for processors
+    guide: int | None = None  # the conversation whose row guides this one's
+    scale: float = 1.0
 
     @property
     def reads_row(self) -> bool:
-        return self.matcher is not None or self.top_logprobs >= 0
+        return self.matcher is not None or self.top_logprobs >= 0 or bool(self.processors) or self.guide is not None
+
+    def process(self, logits: np.ndarray) -> None:
+        """Run the stream's logits processors on its row, in order."""
+        assert self.history is not None
+        tokens = tuple(self.history)
+        for fn in self.processors:
+            try:
+                out = fn(tokens, logits)
+            except Exception as exc:
+                raise _processor_error(fn, exc) from exc
+            if out is not None and out is not logits:
+                if not isinstance(out, np.ndarray) or out.shape != logits.shape:
+                    raise LogitsProcessorError(f"logits processor {_name(fn)} returned {type(out).__name__}, "
+                                               f"not None or an array of shape {logits.shape}")
+                logits[:] = out
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _processor_error(fn: Any, exc: Exception) -> LogitsProcessorError:
+    error = LogitsProcessorError(f"logits processor {_name(fn)} raised {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def logprobs_of(logits: np.ndarray, k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -142,13 +171,17 @@ class NativeExecutor:
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model)
         self._samplers: dict[int, _Sampler] = {}
         self._masks: Masks | None = None
+        self._rows: dict[int, int] = {}  # conv -> its logits row in this step
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
-                       matcher: Any = None) -> None:
+                       matcher: Any = None, guidance: tuple[int, float] | None = None) -> None:
         if self.embeds_only:
             raise InvalidRequestError(f"{self.model.path} is an embedding model: it embeds, it does not generate")
         top = params.top_logprobs if params.logprobs else -1
-        self._samplers[conv] = _Sampler(build_chain(self.vocab, params, history), matcher, top)
+        processors = params.logits_processors
+        guide, scale = guidance if guidance is not None else (None, 1.0)
+        self._samplers[conv] = _Sampler(build_chain(self.vocab, params, history), matcher, top, processors,
+                                        list(history) if processors else None, guide, scale)
 
     def stop_sampling(self, conv: int) -> None:
         sampler = self._samplers.pop(conv, None)
@@ -163,9 +196,13 @@ class NativeExecutor:
         batch.clear()
         outputs: list[tuple[int, int]] = []
         drafts: list[tuple[int, Slice]] = []  # (index in outputs, slice)
+        self._rows.clear()
         for s in plan.slices:
             last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits, n_outputs=s.draft + s.logits)
             if s.logits:
+                self._rows[s.conv] = last - s.draft
+                if s.conv not in self._samplers:
+                    continue  # the row of a sequence that guides another: read with that one's
                 if s.draft:
                     drafts.append((len(outputs), s))
                 outputs.append((s.conv, last - s.draft))
@@ -182,10 +219,13 @@ class NativeExecutor:
                 self._wake = ()
         elapsed = time.perf_counter() - start
         if status is DecodeStatus.OK:
-            sampled = self._sample(outputs)
+            failed: dict[int, BaseException] = {}
+            chosen = self._sample(outputs, failed)
             if drafts:
-                sampled = self._verify(sampled, outputs, drafts)
-            return StepResult(StepStatus.OK, sampled, decode_seconds=elapsed, parked=parked, restored=restored)
+                chosen = self._verify(chosen, outputs, drafts, failed)
+            sampled = tuple(x for got in chosen for x in got)
+            return StepResult(StepStatus.OK, sampled, decode_seconds=elapsed, parked=parked, restored=restored,
+                              failed=failed)
         if status is DecodeStatus.NO_KV_SLOT:
             return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, parked=parked, restored=restored)
         # ABORTED and failures keep the ubatches computed before them: say what the context holds
@@ -236,9 +276,11 @@ class NativeExecutor:
             return False  # llama.cpp left the sequence empty
         return True
 
-    def _sample(self, outputs: list[tuple[int, int]]) -> tuple[Sampled, ...]:
-        """Choose every row's token in one call. Rows that need their logits first (log-probabilities,
-        a constraint's mask) are read before; the masks of all constrained rows are filled at once."""
+    def _sample(self, outputs: list[tuple[int, int]], failed: dict[int, BaseException]) -> list[list[Sampled]]:
+        """Choose every row's token in one call: for each output, ``[Sampled]``, or ``[]`` when its
+        sampler failed (the reason goes into ``failed``). Rows that need their logits first
+        (guidance, logits processors, log-probabilities, a constraint's mask) are read before; the
+        masks of all constrained rows are filled at once."""
         samplers = [self._samplers[conv] for conv, _ in outputs]
         matchers = [s.matcher for s in samplers if s.matcher is not None]
         bits = None
@@ -246,45 +288,71 @@ class NativeExecutor:
             if self._masks is None:
                 self._masks = Masks(self.vocab.n_tokens, self._mask_threads())
             bits = iter(self._masks.fill(matchers))
-        rows: list[tuple[Any, float, list[tuple[int, float]]] | None] = []
-        for sampler, (_, row) in zip(samplers, outputs):
-            rows.append(self._read_row(sampler, row, bits) if sampler.reads_row else None)
-        tokens = sample_rows(self.ctx, [s.chain for s in samplers], [row for _, row in outputs], self.ctx.n_threads[0],
-                             [s.chain.fast_k for s in samplers])
-        return tuple(self._sampled(conv, sampler, token, read)
-                     for (conv, _), sampler, token, read in zip(outputs, samplers, tokens, rows))
+        picked: list[tuple[int, _Sampler, int, tuple[Any, float, list[tuple[int, float]]] | None]] = []
+        for i, (sampler, (conv, row)) in enumerate(zip(samplers, outputs)):
+            if not sampler.reads_row:
+                picked.append((i, sampler, row, None))
+                continue
+            mask = next(bits) if bits is not None and sampler.matcher is not None else None
+            try:
+                picked.append((i, sampler, row, self._read_row(sampler, row, mask)))
+            except LogitsProcessorError as exc:
+                failed[conv] = exc
+        chosen: list[list[Sampled]] = [[] for _ in outputs]
+        if not picked:
+            return chosen
+        tokens = sample_rows(self.ctx, [p[1].chain for p in picked], [p[2] for p in picked], self.ctx.n_threads[0],
+                             [p[1].chain.fast_k for p in picked])
+        for (i, sampler, _, read), token in zip(picked, tokens):
+            chosen[i] = [self._sampled(outputs[i][0], sampler, token, read)]
+        return chosen
 
-    def _verify(self, sampled: tuple[Sampled, ...], outputs: list[tuple[int, int]],
-                drafts: list[tuple[int, Slice]]) -> tuple[Sampled, ...]:
+    def _verify(self, chosen: list[list[Sampled]], outputs: list[tuple[int, int]],
+                drafts: list[tuple[int, Slice]], failed: dict[int, BaseException]) -> list[list[Sampled]]:
         """Continue the drafted rows: while the token chosen equals the next draft token, choose the
         next one from that token's row. The cells of the draft tokens not taken are removed."""
-        chosen: list[list[Sampled]] = [[x] for x in sampled]
         for i, s in drafts:
             row = outputs[i][1]
             draft = s.tokens[1:]
             got = chosen[i]
             k = 0
-            while k < len(draft) and got[-1].token == draft[k] and not got[-1].eog:
+            while got and k < len(draft) and got[-1].token == draft[k] and not got[-1].eog:
                 k += 1
-                got += self._sample([(s.conv, row + k)])
-            if k < len(draft):
-                self._remove(s.seq_id, s.pos + 1 + k, -1)
-        return tuple(x for got in chosen for x in got)
+                more = self._sample([(s.conv, row + k)], failed)[0]
+                if not more:
+                    break
+                got += more
+            # the pending token and each draft token followed by a chosen token keep their cells
+            # (what the scheduler counts); after a failed row the last draft token taken waits
+            kept = max(1, len(got))
+            if kept < len(s.tokens):
+                self._remove(s.seq_id, s.pos + kept, -1)
+        return chosen
 
     def _mask_threads(self) -> int:
         """The CPUs the decode leaves free for computing masks (all of them when a GPU decodes)."""
         cpus = available_cpus()
         return cpus if self._gpu_decodes else cpus - self.ctx.n_threads[0]
 
-    def _read_row(self, sampler: _Sampler, row: int, bits: Any) -> tuple[Any, float, list[tuple[int, float]]]:
-        """The row's log-probabilities as sampled (before the mask), then the mask applied."""
+    def _read_row(self, sampler: _Sampler, row: int, mask: Any) -> tuple[Any, float, list[tuple[int, float]]]:
+        """The row as the chain sees it: guided, then processed; its log-probabilities (before the
+        mask); then the mask applied. Raises LogitsProcessorError."""
         logits = np.frombuffer(self.ctx.logits_buffer(row), dtype=np.float32)
+        if sampler.guide is not None and sampler.scale != 1.0:
+            # g + w * (l - g): the guiding conversation's row is in this step (the scheduler keeps
+            # the two in lockstep)
+            guide = np.frombuffer(self.ctx.logits_buffer(self._rows[sampler.guide]), dtype=np.float32)
+            logits -= guide
+            logits *= np.float32(sampler.scale)
+            logits += guide
+        if sampler.processors:
+            sampler.process(logits)
         lse, top = 0.0, list[tuple[int, float]]()
         if sampler.top_logprobs >= 0:
             lse, top = logprobs_of(logits, sampler.top_logprobs)
         if sampler.matcher is not None:
             assert self._masks is not None
-            self._masks.apply(logits, next(bits))
+            self._masks.apply(logits, mask)
         return logits, lse, top
 
     def _sampled(self, conv: int, sampler: _Sampler, token: int,
@@ -293,6 +361,8 @@ class NativeExecutor:
         if sampler.matcher is not None:
             sampler.matcher.consume_token(token)
             final = sampler.matcher.is_stopped()
+        if sampler.history is not None:
+            sampler.history.append(token)
         logprob: float | None = None
         top: tuple[tuple[int, float], ...] = ()
         if read is not None and sampler.top_logprobs >= 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -37,13 +38,28 @@ class Generation:
     shifts: bool = False  # a full context shifts instead of ending the generation
     n_generated: int = 0
     queued: bool = True  # counts against max_queued until admitted
+    guide: int | None = None  # the conversation guiding this one's logits, which moves in lockstep
+    created: float = 0.0  # when the caller asked (perf_counter)
+    admitted_at: float = 0.0  # when it first got a sequence (0: not yet)
+    first_at: float = 0.0  # when its first token came (0: not yet)
+    decode_steps: int = 0
+    stepped_at: float = 0.0  # the step that last gave it tokens
 
 
-def stats_of(seq: SeqState) -> GenerationStats:
+def stats_of(seq: SeqState, gen: Generation | None = None) -> GenerationStats:
+    """What the generation of ``seq`` cost, timed up to now."""
     draft = seq.draft
-    return GenerationStats(prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens,
-                           preemptions=seq.preemptions, restores=seq.restores,
-                           drafted=draft.drafted if draft else 0, accepted=draft.accepted if draft else 0)
+    stats = GenerationStats(prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens,
+                            preemptions=seq.preemptions, restores=seq.restores,
+                            drafted=draft.drafted if draft else 0, accepted=draft.accepted if draft else 0,
+                            prompt_evaluated=seq.prompt_evaluated)
+    if gen is None or not gen.created:
+        return stats
+    now = time.perf_counter()
+    admitted = gen.admitted_at or now
+    first = gen.first_at or now
+    return dataclasses.replace(stats, decode_steps=gen.decode_steps, queue_seconds=admitted - gen.created,
+                               prefill_seconds=first - admitted, decode_seconds=now - first)
 
 
 class Generations:
@@ -53,6 +69,7 @@ class Generations:
         self.n_ctx = n_ctx
         self._gens: dict[int, Generation] = {}
         self._deferred: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+        self._guides: dict[int, int] = {}  # guiding conversation -> the generation it guides
 
     def __contains__(self, conv: int) -> bool:
         return conv in self._gens
@@ -64,9 +81,13 @@ class Generations:
         return list(self._gens)
 
     def start(self, conv: int, params: SamplingParams, sink: Sink, *, shifts: bool = False,
-              dropped: tuple[int, int] | None = None) -> None:
-        """A generation begins; ``dropped``: the context shift its start made (told to its stream)."""
-        self._gens[conv] = Generation(params, sink, TextAssembler(params.stop), shifts)
+              dropped: tuple[int, int] | None = None, guide: int | None = None, created: float = 0.0) -> None:
+        """A generation begins; ``dropped``: the context shift its start made (told to its stream);
+        ``guide``: the conversation that guides it (its prompts wait for this generation too)."""
+        self._gens[conv] = Generation(params, sink, TextAssembler(params.stop), shifts, guide=guide,
+                                      created=created or time.perf_counter())
+        if guide is not None:
+            self._guides[guide] = conv
         if dropped is not None:
             self.outbox.emit(sink, Delta(dropped=dropped))
 
@@ -76,16 +97,18 @@ class Generations:
 
     def admitted(self, convs: tuple[int, ...]) -> None:
         """These generations got a seq id: they no longer count against ``max_queued``."""
+        now = time.perf_counter()
         for conv in convs:
             gen = self._gens.get(conv)
             if gen is not None and gen.queued:
                 gen.queued = False
+                gen.admitted_at = now
                 self.admission.leave()
 
     def defer(self, conv: int, tokens: tuple[int, ...]) -> bool:
-        """Hold a prompt for a generating conversation until its generation ends; False if it is
-        not generating (append the prompt at once)."""
-        if conv not in self._gens:
+        """Hold a prompt for a generating (or guiding) conversation until its generation ends;
+        False if it is neither (append the prompt at once)."""
+        if conv not in self._gens and conv not in self._guides:
             return False
         self._deferred[conv].append(tokens)
         return True
@@ -101,6 +124,7 @@ class Generations:
         must drop those from the history."""
         ended: dict[int, int] = {}
         left = collections.Counter(sampled.conv for sampled in result.sampled)
+        now = time.perf_counter()
         for sampled in result.sampled:
             conv = sampled.conv
             left[conv] -= 1
@@ -108,10 +132,14 @@ class Generations:
                 ended[conv] += 1
                 continue
             gen = self._gens[conv]
+            if gen.stepped_at != now:  # its first token this step
+                gen.first_at = gen.first_at or now
+                gen.stepped_at = now
+                gen.decode_steps += 1
             seq = scheduler.get(conv)
             delta = self._next(gen, sampled, len(seq.tokens) - left[conv])
             if delta.finish_reason is not None:
-                delta = dataclasses.replace(delta, stats=stats_of(seq))
+                delta = dataclasses.replace(delta, stats=stats_of(seq, gen))
                 ended[conv] = 0
             self.outbox.emit(gen.sink, delta)
         return ended
@@ -143,7 +171,16 @@ class Generations:
             self.admission.leave()
         if reason is not None or error is not None:
             self.outbox.emit(gen.sink, Delta(finish_reason=reason, error=error, stats=stats))
+        if gen.guide is not None:
+            del self._guides[gen.guide]
         return self._deferred.pop(conv, [])
+
+    def get(self, conv: int) -> Generation:
+        return self._gens[conv]
+
+    def guided_by(self, conv: int) -> int | None:
+        """The generation ``conv`` guides, if any."""
+        return self._guides.get(conv)
 
     def forget(self, conv: int) -> None:
         """The conversation is closed: drop the prompts it still had waiting."""

@@ -52,11 +52,17 @@ class SeqState:
     restoring: bool = False  # a parked state is being put back this step: no tokens for it yet
     n_keep: int | None = None  # context shift: keep this many first tokens; None: no shift
     draft: DraftLength | None = None  # n-gram speculation for the current generation; None: none
+    priority: int = 0  # of the current generation: lower values are admitted, evaluated and kept first
+    queued_at: float = 0.0  # when it was submitted (its priority improves with the wait)
+    preempted: bool = False  # waits after a preemption: first among its equals
+    guide: SeqState | None = None  # classifier-free guidance: the sequence decoded in lockstep with it
+    owner: SeqState | None = None  # this sequence guides ``owner``'s generation
     # what the current generation cost (reset when it is submitted)
     prompt_tokens: int = -1  # history at its first admission; -1 before
     cached_tokens: int = 0  # of those, not evaluated
     preemptions: int = 0
     restores: int = 0
+    prompt_evaluated: int = 0  # history tokens evaluated (not sampled rows)
 
     @property
     def n_cached(self) -> int:

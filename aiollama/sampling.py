@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from aiollama._validate import SEED_MAX, integer, number
 from aiollama.errors import InvalidRequestError
@@ -26,6 +29,11 @@ def wrap_seed(seed: int) -> int:
 
 
 MAX_DRAFT_TOKENS = 32
+PRIORITY_LIMIT = 2**31
+
+# ``fn(tokens, logits)``: the history so far and the row (float32, writable, n_vocab long), changed in
+# place; a returned array of the row's shape replaces the row instead.
+LogitsProcessor = Callable[[tuple[int, ...], "np.ndarray"], Any]
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,13 @@ class SamplingParams:
     expression; ``lark`` a Lark grammar (llguidance's dialect). A constrained stream ends when the
     text is complete (or with ``length``). ``logprobs`` puts each token's log-probability on the
     chunks, with its ``top_logprobs`` most likely alternatives.
+
+    ``logits_processors`` are functions ``fn(tokens, logits)`` called in order on the decode thread
+    before the sampler chain, with the history (a tuple of token ids) and the logits row (a
+    writable float32 numpy array, ``n_vocab`` long) to change in place (or a returned array of the
+    same shape). ``priority`` orders admission, prompt evaluation and preemption: lower values
+    first, equal values first come first served; a waiting stream's priority improves with the
+    time it waits, so none waits forever.
 
     Every field is checked on creation and a bad one raises ``InvalidRequestError`` (a
     ``ValueError``) naming it.
@@ -73,6 +88,8 @@ class SamplingParams:
     lark: str | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -117,6 +134,15 @@ class SamplingParams:
         integer("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=True")
+        processors: Any = self.logits_processors
+        if callable(processors):
+            processors = (processors,)
+        if not isinstance(processors, Sequence) or isinstance(processors, str) \
+                or not all(callable(fn) for fn in processors):
+            raise InvalidRequestError(f"logits_processors must be a list of functions fn(tokens, logits), "
+                                      f"got {self.logits_processors!r}")
+        object.__setattr__(self, "logits_processors", tuple(processors))
+        integer("priority", self.priority, low=-PRIORITY_LIMIT, high=PRIORITY_LIMIT - 1)
 
     def _check_constraint(self) -> None:
         given = [name for name in ("grammar", "json_schema", "regex", "lark") if getattr(self, name) is not None]

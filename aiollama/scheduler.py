@@ -8,8 +8,9 @@ The mechanism underneath (seq ids, cells, the prefix cache, parking) is
 
 Policy, in the order it is applied each step:
 
-1. Admission. Conversations that want to generate wait FIFO (preempted ones go first) until fewer
-   than ``max_running`` run and the cells they need (what they do not share, and a cell for each
+1. Admission. Conversations that want to generate wait in priority order (lowest value first; a
+   waiting one gains a level every ``AGING_SECONDS`` seconds, so none waits forever; equal ones first
+   come first served, preempted ones first among them) until fewer than ``max_running`` run and the cells they need (what they do not share, and a cell for each
    running stream's next token) are free or held by idle holders, then take a seq id. When
    nothing runs, the first one is admitted whatever it needs.
 2. Prefix sharing. An admitted sequence shares the longest cached prefix any holder has (a running
@@ -18,7 +19,7 @@ Policy, in the order it is applied each step:
    ``MIN_RESTORE_GAIN`` tokens and half the cells it takes. If another running sequence is still
    prefilling a longer common prefix, it waits for that one instead of evaluating it twice.
 3. Slices. Every running sequence with one pending token (a decode row) goes first; prompt chunks
-   follow, round-robin, in what is left of ``step_tokens`` (but at least ``MIN_PREFILL_CHUNK``
+   follow, round-robin within each priority (lower values first), in what is left of ``step_tokens`` (but at least ``MIN_PREFILL_CHUNK``
    tokens, so prompts progress even when decode rows fill the budget). A long prompt therefore
    never freezes running streams, and a step holds at most
    ``max(step_tokens, decode rows + MIN_PREFILL_CHUNK)`` tokens, never more than ``n_batch``.
@@ -29,14 +30,19 @@ Policy, in the order it is applied each step:
 4. Room. If the slices need more KV cells than are free: drafts are dropped, idle holders give
    theirs back (least recently used first, parked in host memory when it has room), then prompt
    chunks shrink, then
-   the most recently started stream is preempted: parked too, it keeps its tokens and resumes
-   first when room returns.
+   the most recently started stream of the lowest priority is preempted: parked too, it keeps its
+   tokens and resumes first among its equals when room returns.
+5. Lockstep. A generation guided by another sequence (classifier-free guidance) samples only in a
+   step where both have logits: the two are admitted, preempted and finished together, and a
+   slice of one that would give logits without the other waits (a prompt chunk keeps its last
+   token back).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from aiollama import speculation
 from aiollama.errors import ContextFull, InvalidRequestError
@@ -55,6 +61,8 @@ MIN_RESTORE_GAIN = 16
 # Draft tokens add at most this many rows to a step in all (the decode rows count too): drafts
 # pay where steps are small, not where the batch is already full.
 MAX_DRAFT_ROWS = 32
+# A waiting generation's priority improves by one every this many seconds: nothing waits forever.
+AGING_SECONDS = 5.0
 
 __all__ = ["MIN_PREFILL_CHUNK", "Scheduler", "common_prefix"]
 
@@ -67,7 +75,8 @@ class Scheduler:
     """
 
     def __init__(self, *, n_ctx: int, n_seq_max: int, n_batch: int, step_tokens: int,
-                 max_running: int | None = None, host_bytes: int = 0, can_shift: bool = True) -> None:
+                 max_running: int | None = None, host_bytes: int = 0, can_shift: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.n_ctx = n_ctx
@@ -84,6 +93,7 @@ class Scheduler:
         self._admitted: list[int] = []
         self._shifted: list[tuple[int, int, int]] = []
         self._rr = 0
+        self._clock = clock
 
     # what callers asked for
 
@@ -124,16 +134,28 @@ class Scheduler:
         self.kv.truncate(seq, n_tokens)
         seq.last_used = self.kv.tick()
 
-    def submit(self, conv: int, n_keep: int | None = None, draft: int = 0) -> tuple[int, int] | None:
+    def submit(self, conv: int, n_keep: int | None = None, draft: int = 0, *, priority: int = 0,
+               guide: int | None = None) -> tuple[int, int] | None:
         """The conversation wants to generate. With ``n_keep`` (a context-shift policy) a history too
         long for the context loses part of what follows its first ``n_keep`` tokens, and this
         returns ``(n_keep, n_dropped)``; without, it raises ContextFull. ``draft`` > 0: decode
-        steps carry n-gram drafts of up to that many tokens."""
+        steps carry n-gram drafts of up to that many tokens. ``guide``: a conversation decoded in
+        lockstep with this one (classifier-free guidance), which gets every sampled token too."""
         seq = self._seqs[conv]
         # Callers refuse a second generation before it gets here (ConversationBusy).
         assert seq.phase is Phase.IDLE, f"conversation {conv} is already generating"
         if not seq.tokens:
             raise InvalidRequestError("nothing to generate from: prompt the conversation first")
+        partner = None
+        if guide is not None:
+            partner = self._seqs[guide]
+            assert partner.phase is Phase.IDLE and partner is not seq, "callers check the guide"
+            if not partner.tokens:
+                raise InvalidRequestError("the guidance conversation is empty: prompt it first")
+            if len(partner.tokens) >= self.n_ctx:
+                raise ContextFull(f"the guidance conversation holds {len(partner.tokens)} tokens; "
+                                  f"the context has {self.n_ctx}")
+            n_keep = None  # the two histories must stay in step: no context shift
         if n_keep is not None and n_keep > self.n_ctx // 2:
             raise InvalidRequestError(f"n_keep ({n_keep}) must be at most half the context ({self.n_ctx // 2})")
         dropped = None
@@ -146,23 +168,33 @@ class Scheduler:
             del seq.tokens[n_keep:n_keep + n]
             dropped = (n_keep, n)
         seq.n_keep = n_keep
-        seq.draft = DraftLength(draft) if draft > 0 else None
+        seq.draft = DraftLength(draft) if draft > 0 and partner is None else None
         seq.prompt_tokens, seq.cached_tokens, seq.preemptions, seq.restores = -1, 0, 0, 0
-        seq.phase = Phase.WAITING
-        seq.last_used = self.kv.tick()
+        seq.prompt_evaluated = 0
+        seq.priority, seq.queued_at, seq.preempted = priority, self._clock(), False
+        for s in (seq, partner) if partner is not None else (seq,):
+            s.phase = Phase.WAITING
+            s.last_used = self.kv.tick()
+        if partner is not None:
+            seq.guide, partner.owner = partner, seq
+            partner.priority = priority
         self._waiting.append(seq)
         return dropped
 
     def finish(self, conv: int) -> None:
-        """The generation ended (or was cancelled); the sequence keeps its seq id and KV as a cache."""
+        """The generation ended (or was cancelled); the sequence keeps its seq id and KV as a cache,
+        and so does the sequence that guided it."""
         seq = self._seqs[conv]
+        assert seq.owner is None, "a guiding sequence finishes with the generation it guides"
         if seq.phase is Phase.WAITING:
             self._waiting.remove(seq)
-        elif seq.phase is Phase.RUNNING:
-            self._running.remove(seq)
-        seq.phase = Phase.IDLE
-        seq.follow = seq.n_keep = seq.draft = None
-        seq.last_used = self.kv.tick()
+        for s in (seq, seq.guide) if seq.guide is not None else (seq,):
+            if s.phase is Phase.RUNNING:
+                self._running.remove(s)
+            s.phase = Phase.IDLE
+            s.follow = s.n_keep = s.draft = s.owner = None
+            s.last_used = self.kv.tick()
+        seq.guide = None
 
     def remove(self, conv: int) -> None:
         """The conversation is closed: its cached prefix stays as a cache entry."""
@@ -193,6 +225,8 @@ class Scheduler:
         plan."""
         self._admit()
         slices = self._fit(self._slices())
+        if any(s.guide is not None for s in self._running):
+            slices = self._lockstep(slices)
         admitted, self._admitted = tuple(self._admitted), []
         shifted, self._shifted = tuple(self._shifted), []
         return Plan(self.kv.take_ops(), tuple(slices), admitted, shifted)
@@ -209,14 +243,17 @@ class Scheduler:
         if result.status is StepStatus.OK:
             taken: dict[int, int] = {}
             for sampled in result.sampled:
-                self._seqs[sampled.conv].tokens.append(sampled.token)
+                seq = self._seqs[sampled.conv]
+                seq.tokens.append(sampled.token)
+                if seq.guide is not None:
+                    seq.guide.tokens.append(sampled.token)
                 taken[sampled.conv] = taken.get(sampled.conv, 0) + 1
             for s in plan.slices:
                 seq = self._seqs[s.conv]
                 if s.draft:
                     # the pending token and the draft tokens the sampler took have their cells;
-                    # the executor removed the others'
-                    n = taken[s.conv]
+                    # the executor removed the others' (all of them when no token was taken)
+                    n = taken.get(s.conv, 1)
                     self.kv.extend(seq, n)
                     if seq.draft is not None:
                         seq.draft.record(s.draft, n - 1)
@@ -236,8 +273,8 @@ class Scheduler:
         if victim is not None:
             self.kv.evict(victim, victim.n_cached, whole=True)
             return True
-        if len(self._running) > 1:
-            self._preempt(max(self._running, key=lambda s: s.started))
+        if len(self._running) > 1 + any(s.guide is not None for s in self._running):
+            self._preempt(self._victim())
             return True
         return False
 
@@ -247,27 +284,41 @@ class Scheduler:
 
     # internals
 
+    def _next_waiting(self) -> SeqState:
+        """The waiting generation to admit next: the lowest priority value after aging, then the
+        preempted, then the first come."""
+        now = self._clock()
+        return min(self._waiting, key=lambda s: (s.priority - int((now - s.queued_at) / AGING_SECONDS),
+                                                 not s.preempted, s.queued_at))
+
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running:
-            seq = self._waiting[0]
+            seq = self._next_waiting()
+            group = (seq, seq.guide) if seq.guide is not None else (seq,)
             if self._running:
-                _, shared = self.kv.find(seq.tokens, len(seq.tokens) - 1)
-                if not self.kv.free_cells(len(seq.tokens) - max(shared, seq.n_cached) + len(self._running)):
+                need = len(self._running)
+                for s in group:
+                    _, shared = self.kv.find(s.tokens, len(s.tokens) - 1)
+                    need += len(s.tokens) - max(shared, s.n_cached)
+                if not self.kv.free_cells(need):
                     return  # admitted now, it would only be preempted again
-            if seq.seq_id is None and not self.kv.assign(seq):
-                return
-            self._waiting.popleft()
-            seq.phase = Phase.RUNNING
-            seq.started = self.kv.tick()
-            self._running.append(seq)
-            self._admitted.append(seq.conv)
-            if seq.pending <= 0:
-                # everything is cached, but sampling needs the last token's logits: evaluate it again
-                self.kv.truncate(seq, len(seq.tokens) - 1)
-            self._find_prefix(seq)
-            self.cache_hit_tokens += seq.n_cached
-            if seq.prompt_tokens < 0:
-                seq.prompt_tokens, seq.cached_tokens = len(seq.tokens), seq.n_cached
+            if not all(s.seq_id is not None or self.kv.assign(s) for s in group):
+                return  # a seq id this pair got stays with it (an idle holder's, until it runs)
+            self._waiting.remove(seq)
+            started = self.kv.tick()
+            for s in group:
+                s.phase = Phase.RUNNING
+                s.started = started
+                self._running.append(s)
+                self._admitted.append(s.conv)
+                if s.pending <= 0:
+                    # everything is cached, but sampling needs the last token's logits: evaluate it again
+                    self.kv.truncate(s, len(s.tokens) - 1)
+                self._find_prefix(s)
+                self.cache_hit_tokens += s.n_cached
+                s.prompt_evaluated += s.pending
+                if s.prompt_tokens < 0:
+                    s.prompt_tokens, s.cached_tokens = len(s.tokens), s.n_cached
 
     def _find_prefix(self, seq: SeqState) -> None:
         """Share the longest cached prefix, restore a parked one, or arrange to wait for a longer
@@ -307,6 +358,7 @@ class Scheduler:
                 self.cache_hit_tokens += gained
                 if seq.cached_tokens < seq.prompt_tokens:  # still in its first prefill: not evaluated by it
                     seq.cached_tokens = min(seq.prompt_tokens, seq.cached_tokens + gained)
+                seq.prompt_evaluated -= gained
             return False
         if lead.phase is Phase.RUNNING and lead.seq_id is not None and lead.pending > 1:
             return True
@@ -355,7 +407,7 @@ class Scheduler:
         if prefill and budget > 0:
             start = self._rr % len(prefill)
             self._rr += 1
-            for seq in prefill[start:] + prefill[:start]:
+            for seq in sorted(prefill[start:] + prefill[:start], key=lambda s: s.priority):
                 if budget <= 0:
                     break
                 assert seq.seq_id is not None
@@ -404,23 +456,48 @@ class Scheduler:
             else:
                 slices[i] = Slice(s.conv, s.seq_id, s.pos, s.tokens[:keep], False)
         while need() > self.kv.free and self._running:
-            newest = max(self._running, key=lambda s: s.started)
-            slices = [s for s in slices if s.conv != newest.conv]
-            self._preempt(newest)
-        if starved and not slices and len(self._running) > 1:
+            gone = self._preempt(self._victim())
+            slices = [s for s in slices if s.conv not in gone]
+        if starved and not slices and len(self._running) > 1 + any(s.guide is not None for s in self._running):
             # not even a prompt chunk fits: the newest stream gives way, so the others progress
-            self._preempt(max(self._running, key=lambda s: s.started))
+            self._preempt(self._victim())
         return slices
 
-    def _preempt(self, seq: SeqState) -> None:
-        """Stop a running sequence to free its cells (parked in host memory if it has room); it
-        resumes first when room returns."""
-        self._running.remove(seq)
-        if self.kv.host.enabled and seq.n_cached >= MIN_PARK_TOKENS:
-            self.kv.park(seq)
-        self.kv.drop(seq)
-        seq.phase = Phase.WAITING
-        seq.follow = None
-        self._waiting.appendleft(seq)
-        seq.preemptions += 1
+    def _lockstep(self, slices: list[Slice]) -> list[Slice]:
+        """Keep a guided pair's logits in one step: a slice whose partner gives no logits this step
+        waits (a prompt chunk keeps its last token back for a later step)."""
+        with_logits = {s.conv for s in slices if s.logits}
+        kept: list[Slice] = []
+        for s in slices:
+            seq = self._seqs[s.conv]
+            partner = seq.guide or seq.owner
+            if partner is None or not s.logits or partner.conv in with_logits:
+                kept.append(s)
+            elif len(s.tokens) - s.draft > 1:
+                kept.append(Slice(s.conv, s.seq_id, s.pos, s.tokens[:-1 - s.draft], False))
+        return kept
+
+    def _victim(self) -> SeqState:
+        """The running generation to preempt first: the lowest priority, then the newest."""
+        return max(self._running, key=lambda s: (s.priority, s.started))
+
+    def _preempt(self, seq: SeqState) -> set[int]:
+        """Stop a running generation to free its cells (parked in host memory if it has room), with
+        the sequence that guides it or that it guides; it resumes first among its equals when room
+        returns. Returns the conversations stopped."""
+        owner = seq.owner or seq
+        group = (owner, owner.guide) if owner.guide is not None else (owner,)
+        for s in group:
+            if s.phase is not Phase.RUNNING:
+                continue
+            self._running.remove(s)
+            if self.kv.host.enabled and s.n_cached >= MIN_PARK_TOKENS:
+                self.kv.park(s)
+            self.kv.drop(s)
+            s.phase = Phase.WAITING
+            s.follow = None
+            s.preemptions += 1
+        owner.preempted = True
+        self._waiting.append(owner)
         self.preemptions += 1
+        return {s.conv for s in group}

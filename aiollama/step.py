@@ -139,6 +139,7 @@ class StepResult:
     detail: str = ""  # why a step failed
     parked: Mapping[int, bytes] = field(default_factory=dict)  # Park key -> the state copied out
     restored: Mapping[int, bool] = field(default_factory=dict)  # Restore seq id -> whether it fit
+    failed: Mapping[int, BaseException] = field(default_factory=dict)  # conv -> why its row gave no token
 
 
 @dataclass(frozen=True)
@@ -209,9 +210,12 @@ class Executor(Protocol):
     wakes: bool  # execute writes a byte to each of ``plan.wake`` as its decode starts (else the engine does, before)
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
-                       matcher: Any = None) -> None:
-        """Prepare ``conv``'s sampler (with an llguidance matcher for a constraint); raises an
-        AiollamaError (GrammarError...) for bad params."""
+                       matcher: Any = None, guidance: tuple[int, float] | None = None) -> None:
+        """Prepare ``conv``'s sampler (with an llguidance matcher for a constraint; with
+        ``guidance`` = (conv, scale), its logits become ``g + scale * (l - g)`` where ``g`` is the
+        row of that conversation in the same step); raises an AiollamaError (GrammarError...) for
+        bad params. A sampler that cannot choose (a logits processor raised) puts the conversation
+        in ``StepResult.failed``."""
         ...
 
     def stop_sampling(self, conv: int) -> None: ...

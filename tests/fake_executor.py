@@ -90,6 +90,15 @@ def next_token(history: Sequence[int], eog_every: int | None, period: int | None
     return 97 + x % 26
 
 
+def guided_token(history: Sequence[int], guide: Sequence[int], scale: float) -> int:
+    """The fake model under classifier-free guidance: the plain token at scale 1, otherwise a
+    function of both histories."""
+    token = next_token(history, None)
+    if scale == 1.0:
+        return token
+    return 97 + (token + next_token(guide, None) * int(scale * 7)) % 26
+
+
 Fault = Callable[[Plan], StepStatus | None]
 
 
@@ -119,16 +128,19 @@ class FakeExecutor:
         self.plans: list[Plan] = []
         self.sampling: dict[int, SamplingParams] = {}
         self.matchers: dict[int, object] = {}
+        self.guidance: dict[int, tuple[int, float]] = {}
         self.closed = False
         self._abort = threading.Event()
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
-                       matcher: object = None) -> None:
+                       matcher: object = None, guidance: tuple[int, float] | None = None) -> None:
         if params.grammar is not None:
             raise GrammarError("the fake executor has no GBNF grammars")
         self.sampling[conv] = params
         if matcher is not None:
             self.matchers[conv] = matcher
+        if guidance is not None:
+            self.guidance[conv] = guidance
 
     def _choose(self, conv: int, history: list[int]) -> tuple[int, bool]:
         """The fake model's token, or under a constraint the first token it allows if not that one."""
@@ -146,6 +158,7 @@ class FakeExecutor:
     def stop_sampling(self, conv: int) -> None:
         self.sampling.pop(conv, None)
         self.matchers.pop(conv, None)
+        self.guidance.pop(conv, None)
 
     def execute(self, plan: Plan) -> StepResult:
         try:
@@ -173,11 +186,18 @@ class FakeExecutor:
                               detail=f"injected {status.name}", parked=parked, restored=restored)
         assert self.kv.decode(plan)
         sampled = []
+        rows = {s.conv: s for s in plan.slices if s.logits}
         for s in plan.slices:
-            if not s.logits:
-                continue
+            if not s.logits or s.conv not in self.sampling:
+                continue  # a guiding sequence's row: read by the stream it guides
             history = self.kv.tokens(s.seq_id)
             held = len(history) - s.draft  # what precedes the draft
+            if s.conv in self.guidance:
+                guide, scale = self.guidance[s.conv]
+                assert guide in rows, "a guided stream sampled without its guide's logits in the step"
+                sampled.append(self._sampled(s.conv, guided_token(history, self.kv.tokens(rows[guide].seq_id),
+                                                                  scale), False))
+                continue
             token, final = self._choose(s.conv, history[:held])
             sampled.append(self._sampled(s.conv, token, final))
             taken = 0

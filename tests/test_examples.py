@@ -39,3 +39,10 @@ def test_shared_prefix_fork(tiny_path: Path) -> None:
 def test_native_greedy(tiny_path: Path) -> None:
     out = run_example("native_greedy.py", str(tiny_path))
     assert out.returncode == 0, out.stderr
+
+
+def test_guidance(tiny_path: Path) -> None:
+    out = run_example("guidance.py", str(tiny_path))
+    assert out.returncode == 0, out.stderr
+    assert "guided: My favourite colour is" in out.stdout
+    assert "the guidance conversation holds the guided tokens too: True" in out.stdout

@@ -268,19 +268,32 @@ async def _pump(job: _Job, state: _State, send: MemoryObjectSendStream[Item]) ->
     its finish reason on the stream; (index, error) if it fails."""
     first = True
 
+    metrics = state.metrics
+
     async def one(i: int, stream: Stream) -> None:
         nonlocal first
+        last = 0.0
         try:
             try:
                 async for chunk in stream:
-                    if first and chunk.tokens:
-                        first = False
-                        state.metrics.time_to_first_token.observe(time.perf_counter() - job.started)
+                    if chunk.tokens:
+                        now = time.perf_counter()
+                        if first:
+                            first = False
+                            metrics.time_to_first_token.observe(now - job.started)
+                        if last:
+                            for _ in chunk.tokens:  # a chunk of several tokens (a draft taken) shares its gap
+                                metrics.inter_token_latency.observe((now - last) / len(chunk.tokens))
+                        last = now
                     await send.send((i, chunk))
             except AiollamaError as exc:
                 await send.send((i, exc))
             else:
                 await send.send((i, None))
+            finally:
+                if stream.stats is not None:
+                    metrics.queue_time.observe(stream.stats.queue_seconds)
+                    metrics.e2e_latency.observe(time.perf_counter() - job.started)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the response stopped reading: it is closing the job
 

@@ -1,5 +1,16 @@
 """Prometheus metrics of one engine: gauges read from its statistics at scrape time, histograms of
-time to first token (observed by the server) and step time (kept by the decode thread)."""
+time to first token, queue time, end-to-end and inter-token latency (observed by the server) and
+step time (kept by the decode thread).
+
+Names against llama-server's ``/metrics`` (which has counters and gauges only) and vLLM's
+histograms: ``aiollama_tokens_in`` ~ ``llamacpp:prompt_tokens_total``, ``aiollama_tokens_out`` ~
+``llamacpp:tokens_predicted_total``, ``aiollama_decode_steps`` ~ ``llamacpp:n_decode_total``,
+``aiollama_active_conversations`` ~ ``llamacpp:requests_processing``, ``aiollama_queue_depth`` ~
+``llamacpp:requests_deferred``, ``aiollama_kv_cells_used`` / ``aiollama_kv_cells_total`` ~
+``llamacpp:kv_cache_usage_ratio``; ``aiollama_time_to_first_token_seconds``,
+``aiollama_request_queue_time_seconds``, ``aiollama_e2e_request_latency_seconds`` and
+``aiollama_inter_token_latency_seconds`` are vLLM's ``vllm:`` histograms of the same names.
+"""
 
 from __future__ import annotations
 
@@ -63,5 +74,14 @@ class Metrics:
         self.time_to_first_token = Histogram(
             "aiollama_time_to_first_token_seconds", "From request to the first generated token",
             buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry)
+        self.queue_time = Histogram(
+            "aiollama_request_queue_time_seconds", "From request to the generation's admission into the batch",
+            buckets=(0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=self.registry)
+        self.e2e_latency = Histogram(
+            "aiollama_e2e_request_latency_seconds", "From request to its last generated token",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300), registry=self.registry)
+        self.inter_token_latency = Histogram(
+            "aiollama_inter_token_latency_seconds", "Between two generated tokens of one choice, as delivered",
+            buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5), registry=self.registry)
         self.requests = Counter("aiollama_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)

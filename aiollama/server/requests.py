@@ -117,6 +117,9 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
                              param="stop")
         if stops:
             params["stop"] = stops
+    priority = _integer(body, "priority", -(2**31), 2**31 - 1)  # vLLM's extension: lower values first
+    if priority is not None:
+        params["priority"] = priority
     bias = body.get("logit_bias")
     if bias is not None:
         try:
