@@ -151,6 +151,21 @@ struct llama_perf_sampler_data {
 /* lifecycle and params */
 const char * llama_version(void);
 struct llama_model_params llama_model_default_params(void);
+
+enum llama_ftype {
+    LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_F16, LLAMA_FTYPE_MOSTLY_Q4_0, LLAMA_FTYPE_MOSTLY_Q4_1,
+    LLAMA_FTYPE_MOSTLY_Q8_0, LLAMA_FTYPE_MOSTLY_Q4_K_S, LLAMA_FTYPE_MOSTLY_Q4_K_M, ...
+};
+typedef struct llama_model_quantize_params {
+    int32_t nthread;
+    enum llama_ftype ftype;
+    bool allow_requantize;
+    bool quantize_output_tensor;
+    bool pure;
+    ...;
+} llama_model_quantize_params;
+llama_model_quantize_params llama_model_quantize_default_params(void);
+uint32_t llama_model_quantize(const char * fname_inp, const char * fname_out, const llama_model_quantize_params * params);
 struct llama_context_params llama_context_default_params(void);
 struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
 void llama_backend_init(void);
@@ -283,6 +298,7 @@ void aiollama_flag_store(int * flag, int value);
 int aiollama_flag_load(int * flag);
 void aiollama_log_install(int min_level);
 int32_t aiollama_decode_wake(struct llama_context * ctx, llama_batch batch, const int * fds, int32_t n_fds);
+int32_t aiollama_reference_kernels(struct llama_context * ctx, bool on);
 void aiollama_sample_rows(struct llama_context * ctx, struct llama_sampler ** chains, const int32_t * rows,
                           const int32_t * top_k, int32_t n, int32_t n_threads, int32_t * out);
 extern "Python" void aiollama_log_py(int level, const char * text);
@@ -302,6 +318,46 @@ HELPERS = r"""
 #include <unistd.h>
 
 #include "llama.h"
+
+/* ggml-cpu's reference kernels for every CPU backend of a context (or back to the fast ones).
+ * They compute each output row the same way whatever the batch holds: no llamafile sgemm or tiled
+ * matrix products chosen by batch width, no tiled or KV-split flash attention, no fused ops.
+ * llama.h has no way to reach a context's backends; llama_context::get_sched() (exported by
+ * libllama, a plain member function: `this` is its first argument in the Itanium C++ ABI) does.
+ * Returns the number of CPU backends set, or -1 where this cannot be done. */
+#if defined(__GNUC__) && !defined(_WIN32)
+ggml_backend_sched_t _ZNK13llama_context9get_schedEv(const struct llama_context * ctx);
+#define AIOLLAMA_HAS_SCHED 1
+#endif
+
+static int32_t aiollama_reference_kernels(struct llama_context * ctx, bool on) {
+#if defined(AIOLLAMA_HAS_SCHED)
+    ggml_backend_sched_t sched = _ZNK13llama_context9get_schedEv(ctx);
+    int32_t n = 0;
+    if (sched == NULL) {
+        return -1;
+    }
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, i);
+        ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+        if (dev == NULL || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            continue;
+        }
+        void (*set_use_ref)(ggml_backend_t, bool) = (void (*)(ggml_backend_t, bool))
+            ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev), "ggml_backend_cpu_set_use_ref");
+        if (set_use_ref == NULL) {
+            return -1;
+        }
+        set_use_ref(backend, on);
+        n++;
+    }
+    return n;
+#else
+    (void) ctx;
+    (void) on;
+    return -1;
+#endif
+}
 
 static bool aiollama_abort_cb(void * data) {
     return __atomic_load_n((int *) data, __ATOMIC_ACQUIRE) != 0;

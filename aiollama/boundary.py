@@ -44,6 +44,9 @@ class EngineConfig:
     the first ``n_keep`` tokens and drops the older half of the rest. Streams may choose otherwise.
     ``draft_tokens`` > 0 turns on n-gram speculation: decode steps carry drafts of up to that many
     tokens taken from the conversation's own history (0: off; streams may choose otherwise).
+    ``deterministic`` makes each conversation's logits independent of what runs beside it (see the
+    README's numerics section for what is and is not promised): ggml-cpu's reference kernels, flash
+    attention, no repacked weights; CPU only.
     """
 
     model_path: Path | None = None
@@ -59,6 +62,7 @@ class EngineConfig:
     context_shift: bool = False
     n_keep: int = 0
     draft_tokens: int = 0
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         integer("n_ctx", self.n_ctx, low=1)
@@ -76,6 +80,10 @@ class EngineConfig:
         integer("n_keep", self.n_keep, low=0)
         if not isinstance(self.context_shift, bool):
             raise InvalidRequestError(f"context_shift must be a bool, got {self.context_shift!r}")
+        if not isinstance(self.deterministic, bool):
+            raise InvalidRequestError(f"deterministic must be a bool, got {self.deterministic!r}")
+        if self.deterministic and self.n_gpu_layers != 0:
+            raise InvalidRequestError("deterministic mode runs on the CPU: give n_gpu_layers=0")
         if self.model_path is not None:
             object.__setattr__(self, "model_path", Path(self.model_path))
 

@@ -67,7 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     app = create_app(args.model, model_name=args.model_name, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max,
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
-                     host_cache_bytes=args.host_cache_mib << 20)
+                     host_cache_bytes=args.host_cache_mib << 20, draft_tokens=args.draft_tokens,
+                     deterministic=args.deterministic)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
 
@@ -116,6 +117,10 @@ def parser() -> argparse.ArgumentParser:
                        help="host memory for parked KV states, MiB (0: off)")
     serve.add_argument("--n-gpu-layers", type=int, default=EngineConfig.n_gpu_layers,
                        help="layers to offload (-1: all)")
+    serve.add_argument("--draft-tokens", type=int, default=EngineConfig.draft_tokens,
+                       help="n-gram speculation: draft up to this many tokens a step (0: off)")
+    serve.add_argument("--deterministic", action="store_true",
+                       help="each conversation's output independent of what runs beside it (CPU only)")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")
     serve.add_argument("--log-level", default="info")
 

@@ -142,7 +142,8 @@ class NativeExecutor:
 
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
         with contextlib.ExitStack() as stack:
-            self.model: Model = stack.enter_context(Model(model_path, n_gpu_layers=config.n_gpu_layers))
+            self.model: Model = stack.enter_context(Model(model_path, n_gpu_layers=config.n_gpu_layers,
+                                                          repack=not config.deterministic))
             if self.model.is_recurrent:
                 raise UnsupportedModel(
                     f"{model_path.name} is a recurrent or hybrid model; its memory cannot drop the end "
@@ -154,10 +155,13 @@ class NativeExecutor:
                 stack.callback(self._embedder.close)
                 self.ctx, self.batch = self._embedder.ctx, self._embedder.batch
             else:
+                # deterministic: every row computed by the same kernels whatever the batch holds,
+                # and attention summed cell by cell (flash attention's reference path)
                 self.ctx = stack.enter_context(Context(
                     self.model, n_ctx=config.n_ctx, n_batch=config.n_batch,
                     n_seq_max=config.context_seq_ids(self.model.vocab.n_tokens), n_threads=config.n_threads,
-                    kv_unified=True))
+                    kv_unified=True, flash_attn=True if config.deterministic else None,
+                    reference_kernels=config.deterministic))
                 self.batch = stack.enter_context(Batch(self.ctx.n_batch))
             self._handles = stack.pop_all()
         self._threads = config.n_threads

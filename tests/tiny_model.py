@@ -123,6 +123,20 @@ def tiny_model(cache: Path, tokenizer_source: Path, **params: int) -> Path:
     return path
 
 
+def quantized_model(cache: Path, tokenizer_source: Path, kind: str, **params: int) -> Path:
+    """The cached tiny model for ``params``, quantized by llama.cpp to ``kind`` (every weight matrix;
+    K-quants need a width that is a multiple of 256)."""
+    from aiollama.native.model import quantize
+
+    source = tiny_model(cache, tokenizer_source, **params)
+    path = source.with_name(f"{source.stem}-{kind}.gguf")
+    if not path.is_file():
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        quantize(source, tmp, kind)
+        os.replace(tmp, path)
+    return path
+
+
 GEMMA_STYLE_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")

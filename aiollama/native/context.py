@@ -74,7 +74,9 @@ class Context(Handle):
     """A llama_context over ``model``, which it keeps alive until closed.
 
     Defaults suit a batching engine: a unified KV cache (so ``seq_cp`` shares cells and a fork costs
-    nothing), and thread counts from the CPUs this process may actually use.
+    nothing), and thread counts from the CPUs this process may actually use. ``reference_kernels``
+    runs ggml-cpu's reference kernels, which compute each row the same way whatever else the batch
+    holds (see the engine's deterministic mode).
 
     Raises:
         InvalidRequestError: a parameter out of range (for example ``n_seq_max`` > 256).
@@ -98,6 +100,7 @@ class Context(Handle):
         flash_attn: bool | None = None,
         embeddings: bool = False,
         pooling: str | None = None,
+        reference_kernels: bool = False,
     ) -> None:
         integer("n_ctx", n_ctx, low=0)
         integer("n_batch", n_batch, low=1)
@@ -138,6 +141,11 @@ class Context(Handle):
             raise ContextCreateError(f"llama.cpp could not create a context: {why}")
         self._own(ptr)
         self.model = model
+        if reference_kernels and lib.aiollama_reference_kernels(ptr, True) < 1:
+            self.close()
+            raise ContextCreateError("reference kernels need ggml's CPU backend, and this build does not "
+                                     "expose it to aiollama")
+        self.reference_kernels = reference_kernels
         self.vocab: Vocab = model.vocab
         self._memory = lib.llama_get_memory(ptr)
         self.n_ctx: int = lib.llama_n_ctx(ptr)

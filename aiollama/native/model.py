@@ -59,6 +59,7 @@ class Model(Handle):
         n_gpu_layers: int = 0,
         vocab_only: bool = False,
         use_mmap: bool = True,
+        repack: bool = True,
     ) -> None:
         self.path = os.fspath(path)
         integer("n_gpu_layers", n_gpu_layers, low=-1)
@@ -67,6 +68,7 @@ class Model(Handle):
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
         params.load_mode = lib.LLAMA_LOAD_MODE_AUTO if use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        params.use_extra_bufts = repack  # repacked weights run rows in groups of 4 (batch-shape dependent)
         clear_recent_errors()
         ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
         if ptr == ffi.NULL:
@@ -148,6 +150,32 @@ class Model(Handle):
     def __repr__(self) -> str:
         state = "closed" if self._ptr is None else "open"
         return f"<Model {os.path.basename(self.path)!r} {state}>"
+
+
+QUANT_TYPES = {"f16": "LLAMA_FTYPE_MOSTLY_F16", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+               "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+
+
+def quantize(source: str | os.PathLike[str], dest: str | os.PathLike[str], kind: str, *, n_threads: int = 0) -> None:
+    """Write ``source`` (an F32 or F16 GGUF model) to ``dest`` quantized to ``kind`` (one of
+    ``QUANT_TYPES``: every weight matrix in that type, llama-quantize's ``--pure``).
+
+    Raises InvalidRequestError for an unknown kind, ModelNotFound/ModelLoadError for a missing or
+    bad source, and ModelLoadError when llama.cpp fails.
+    """
+    if kind not in QUANT_TYPES:
+        raise InvalidRequestError(f"kind must be one of {sorted(QUANT_TYPES)}, got {kind!r}")
+    _check_gguf(os.fspath(source))
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, QUANT_TYPES[kind])
+    params.nthread = integer("n_threads", n_threads, low=0)
+    params.pure = True
+    params.quantize_output_tensor = True
+    clear_recent_errors()
+    if lib.llama_model_quantize(os.fsencode(source), os.fsencode(dest), ffi.new("llama_model_quantize_params *", params)):
+        why = "; ".join(recent_errors()) or "no reason given"
+        raise ModelLoadError(f"llama.cpp could not quantize {source} to {kind}: {why}")
 
 
 class Vocab:

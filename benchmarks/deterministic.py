@@ -1,0 +1,94 @@
+"""What the deterministic mode costs: throughput at 1, 8 and 32 streams and prompt evaluation, with
+and without it, alternated in one run.
+
+    pip install ".[bench]" && python benchmarks/deterministic.py     # about 5 minutes on 2 cores
+
+SmolLM2-135M-Instruct Q4_1, 64-token prompts and 128 new tokens per stream (EOG ignored), as in
+run.py's throughput scenario; prompt evaluation is one 1,000-token prompt. Each setting runs
+alternately, best of ``--rounds``. Results go to benchmarks/results/<date>-<machine>-deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import aiollama  # noqa: E402
+import tools  # noqa: E402
+from aiollama.native import Model, available_cpus  # noqa: E402
+from common import StreamTiming, machine, prompts, save_results, throughput  # noqa: E402
+
+LEVELS = (1, 8, 32)
+PROMPT, NEW, LONG = 64, 128, 1000
+
+
+async def one_round(model: Path, threads: int, deterministic: bool, n_vocab: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    async with aiollama.Engine(model, n_ctx=8192, n_seq_max=32, n_threads=threads,
+                               deterministic=deterministic) as engine:
+        for n in LEVELS:
+            timings = [StreamTiming(0.0) for _ in range(n)]
+            convs = [engine.conversation(p) for p in prompts(n, PROMPT, n_vocab, seed=n)]
+
+            async def run(i: int) -> None:
+                timings[i].start = time.perf_counter()
+                async for chunk in convs[i].stream(max_tokens=NEW, temperature=0.7, seed=i, ignore_eos=True):
+                    timings[i].arrivals.extend([time.perf_counter()] * len(chunk.tokens))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(run, i)
+            out[f"decode_tps_{n}"] = throughput(timings)["decode_tps"]
+            for conv in convs:
+                await conv.aclose()
+        await engine.clear_cache()
+        conv = engine.conversation(prompts(1, LONG, n_vocab, seed=99)[0])
+        start = time.perf_counter()
+        await conv.stream(max_tokens=1)
+        out["prompt_tps"] = LONG / (time.perf_counter() - start)
+    return out
+
+
+def markdown(r: dict[str, Any]) -> str:
+    d, f = r["default"], r["deterministic"]
+    rows = [f"| {n} streams, decode tokens/s | {d[f'decode_tps_{n}']:.1f} | {f[f'decode_tps_{n}']:.1f} | "
+            f"{f[f'decode_tps_{n}'] / d[f'decode_tps_{n}']:.2f} |" for n in LEVELS]
+    rows.append(f"| 1,000-token prompt, tokens/s | {d['prompt_tps']:.0f} | {f['prompt_tps']:.0f} | "
+                f"{f['prompt_tps'] / d['prompt_tps']:.2f} |")
+    return (f"Measured {r['date']} on {r['machine']['cpu']} ({r['machine']['cpus']} CPUs), llama.cpp {r['llama_cpp']}, "
+            f"model {r['model']}, {r['threads']} threads, best of {r['rounds']} alternated rounds.\n\n"
+            "**The deterministic mode's cost** (reference kernels, flash attention, no repacked weights)\n\n"
+            "| | default | deterministic | ratio |\n|---|---:|---:|---:|\n" + "\n".join(rows) + "\n")
+
+
+async def main(args: argparse.Namespace) -> int:
+    model = Path(args.model) if args.model else aiollama.default_model()
+    threads = args.threads or available_cpus()
+    with Model(model, vocab_only=True) as m:
+        n_vocab = m.vocab.n_tokens
+    runs: dict[str, list[dict[str, float]]] = {"default": [], "deterministic": []}
+    for i in range(args.rounds):
+        for name in runs:
+            print(f"round {i + 1}: {name}", flush=True)
+            runs[name].append(await one_round(model, threads, name == "deterministic", n_vocab))
+    best = {name: {k: max(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    r: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": machine(), "model": model.name,
+                         "threads": threads, "llama_cpp": tools.TAG, "rounds": args.rounds, **best, "runs": runs}
+    save_results(r, "deterministic", markdown(r))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=2)
+    sys.exit(anyio.run(main, parser.parse_args()))

@@ -1,0 +1,166 @@
+"""The deterministic mode: a sequence's logits do not depend on the company it keeps.
+
+Golden tests compare a sequence's logits bit for bit, decoded alone (one thread) and with 1, 7 and
+31 random batch-mates (two threads), with short and long (> 1,000 cells) contexts, batch-mates
+evaluated before it or beside it, on Q4_1, Q8_0, F16 and Q4_K tiny models. The same comparisons
+without the mode find differences: the test has teeth.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aiollama
+from aiollama import Engine, EngineConfig, InvalidRequestError
+from aiollama.native import Batch, Context, DecodeStatus, Model
+from helpers import gather
+from tiny_model import quantized_model
+
+WIDE = dict(n_embd=256, n_ff=768, n_head=4, n_head_kv=2, n_layer=4)  # K-quants need rows of 256
+MODELS = [("q4_1", {}), ("q8_0", {}), ("f16", {}), ("q4_k_m", WIDE)]
+STEPS = 3
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=[kind for kind, _ in MODELS])
+def quantized(request: pytest.FixtureRequest, smollm2_path: Path) -> Path:
+    kind, params = request.param
+    return quantized_model(aiollama.cache_dir() / "test-models", smollm2_path, kind, **params)
+
+
+def decode(model: Model, target: Sequence[int], mates: Sequence[Sequence[int]], *, reference: bool,
+           mates_first: bool = False, threads: int = 2) -> list[np.ndarray]:
+    """The target's logits rows: its prompt's last, then ``STEPS - 1`` greedy steps, all in batches
+    shared with the mates (each continuing greedily)."""
+    with Context(model, n_ctx=8192, n_batch=4096, n_ubatch=512, n_seq_max=33, n_threads=threads,
+                 flash_attn=True if reference else None, reference_kernels=reference) as ctx, Batch(4096) as batch:
+        if mates_first:
+            batch.clear()
+            for i, m in enumerate(mates):
+                batch.add_tokens(m[:-1], 0, i + 1, output_last=False)
+            assert ctx.decode(batch) is DecodeStatus.OK
+        batch.clear()
+        row = batch.add_tokens(target, 0, 0, output_last=True)
+        mate_rows = [batch.add_tokens(m[-1:], len(m) - 1, i + 1, output_last=True) if mates_first
+                     else batch.add_tokens(m, 0, i + 1, output_last=True) for i, m in enumerate(mates)]
+        assert ctx.decode(batch) is DecodeStatus.OK
+        pos, mate_pos = len(target), [len(m) for m in mates]
+        rows = []
+        for _ in range(STEPS):
+            logits = np.frombuffer(ctx.logits_buffer(row), dtype=np.float32).copy()
+            rows.append(logits)
+            nexts = [int(np.frombuffer(ctx.logits_buffer(r), dtype=np.float32).argmax()) for r in mate_rows]
+            batch.clear()
+            row = batch.add_tokens([int(logits.argmax())], pos, 0, output_last=True)
+            mate_rows = [batch.add_tokens([t], mate_pos[i], i + 1, output_last=True) for i, t in enumerate(nexts)]
+            pos += 1
+            mate_pos = [p + 1 for p in mate_pos]
+            assert ctx.decode(batch) is DecodeStatus.OK
+        return rows
+
+
+def cases(n_vocab: int) -> list[tuple[str, list[int], list[list[int]], bool]]:
+    rng = random.Random(14)
+    out = []
+    for length in (8, 1100):
+        target = [rng.randrange(100, n_vocab) for _ in range(length)]
+        for k in (1, 7, 31):
+            for first in (False, True):
+                longest = 120 if length < 100 else 60
+                mates = [[rng.randrange(100, n_vocab) for _ in range(rng.randrange(3, longest))] for _ in range(k)]
+                out.append((f"{length} cells, {k} mates{' first' if first else ''}", target, mates, first))
+    return out
+
+
+def test_logits_are_bit_identical_solo_and_batched(quantized: Path) -> None:
+    with Model(quantized, repack=False) as model:
+        solo: dict[int, list[np.ndarray]] = {}
+        for name, target, mates, first in cases(model.vocab.n_tokens):
+            if len(target) not in solo:
+                solo[len(target)] = decode(model, target, [], reference=True, threads=1)
+            got = decode(model, target, mates, reference=True, mates_first=first)
+            for step, (a, b) in enumerate(zip(solo[len(target)], got)):
+                assert np.array_equal(a, b), f"{quantized.name}, {name}: step {step} differs by {np.abs(a - b).max()}"
+
+
+def test_without_the_mode_batch_mates_change_the_logits(smollm2_path: Path) -> None:
+    path = quantized_model(aiollama.cache_dir() / "test-models", smollm2_path, "q4_k_m", **WIDE)
+    with Model(path) as model:
+        differs = 0
+        for name, target, mates, first in cases(model.vocab.n_tokens)[:6]:
+            solo = decode(model, target, [], reference=False, threads=1)
+            got = decode(model, target, mates, reference=False, mates_first=first)
+            differs += not all(np.array_equal(a, b) for a, b in zip(solo, got))
+        assert differs > 0
+
+
+# the engine
+
+
+async def logits_of(model: Path, mates: int, *, late: bool, seed: int | None = None,
+                    threads: int = 2) -> tuple[list[int], list[np.ndarray]]:
+    """A conversation's tokens and every logits row it sampled from, beside ``mates`` others that
+    start before it or while it runs."""
+    rows: list[np.ndarray] = []
+
+    def keep(tokens: tuple[int, ...], logits: np.ndarray) -> None:
+        rows.append(logits.copy())
+
+    params = dict(temperature=0.0) if seed is None else dict(temperature=0.9, seed=seed)
+    async with Engine(model, n_ctx=8192, n_seq_max=32, n_threads=threads, step_tokens=64, deterministic=True) as engine:
+        rng, own = random.Random(1), random.Random(7)
+        others = [engine.conversation([rng.randrange(100, 40000) for _ in range(rng.randrange(5, 150))])
+                  for _ in range(mates)]
+        before = [] if late else [c.stream(max_tokens=rng.randrange(5, 40), ignore_eos=True) for c in others]
+        conv = engine.conversation([own.randrange(100, 40000) for _ in range(300)])
+        stream = conv.stream(max_tokens=24, ignore_eos=True, logits_processors=[keep], **params)
+        if late:
+            async for _ in stream:
+                break
+            before = [c.stream(max_tokens=rng.randrange(5, 40), ignore_eos=True) for c in others]
+        await stream
+        for s in before:
+            await s
+        return list(conv.tokens[300:]), rows
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("seed", [None, 5])
+async def test_the_engine_gives_the_same_logits_whatever_runs_beside(tiny_path: Path, seed: int | None) -> None:
+    alone = await logits_of(tiny_path, 0, late=False, seed=seed, threads=1)
+    for mates, late in ((7, False), (7, True), (31, True)):
+        tokens, rows = await logits_of(tiny_path, mates, late=late, seed=seed)
+        assert tokens == alone[0]
+        assert len(rows) == len(alone[1]) and all(np.array_equal(a, b) for a, b in zip(rows, alone[1]))
+
+
+@pytest.mark.anyio
+async def test_forks_with_one_seed_give_one_text(tiny_path: Path) -> None:
+    async with Engine(tiny_path, n_ctx=4096, n_seq_max=8, deterministic=True) as engine:
+        root = engine.conversation("Once upon a time")
+        forks = [root.fork() for _ in range(4)]
+        outs = await gather(*[f.stream(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True) for f in forks])
+        assert len({tuple(o.tokens) for o in outs}) == 1
+        other = await root.fork().stream(max_tokens=24, temperature=1.0, seed=12, ignore_eos=True)
+        assert other.tokens != outs[0].tokens
+
+
+def test_the_mode_is_cpu_only() -> None:
+    with pytest.raises(InvalidRequestError, match="CPU"):
+        EngineConfig(deterministic=True, n_gpu_layers=-1)
+    with pytest.raises(InvalidRequestError, match="deterministic"):
+        EngineConfig(deterministic="yes")  # type: ignore[arg-type]
+
+
+def test_quantize_refuses_what_it_cannot_do(tmp_path: Path, tiny_path: Path) -> None:
+    from aiollama.errors import ModelNotFound
+    from aiollama.native.model import quantize
+
+    with pytest.raises(InvalidRequestError, match="kind"):
+        quantize(tiny_path, tmp_path / "x.gguf", "q3_xyz")
+    with pytest.raises(ModelNotFound):
+        quantize(tmp_path / "missing.gguf", tmp_path / "x.gguf", "q8_0")
