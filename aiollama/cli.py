@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -65,11 +66,46 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"aiollama serve needs the server extra: pip install 'aiollama[server]' ({exc})", file=sys.stderr)
         return 2
+    if args.replicas > 1:
+        return _serve_replicas(args)
     app = create_app(args.model, model_name=args.model_name, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max,
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                      host_cache_bytes=args.host_cache_mib << 20, draft_tokens=args.draft_tokens,
                      deterministic=args.deterministic)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
+    return 0
+
+
+def _serve_replicas(args: argparse.Namespace) -> int:
+    """Several engines on one machine (several sockets or GPUs), each a Ray Serve replica, behind
+    one endpoint; Ray runs locally, bound to 127.0.0.1."""
+    try:
+        import ray
+        from ray import serve
+
+        from aiollama.ray import build_app
+    except ImportError as exc:
+        print(f"aiollama serve --replicas needs the ray extra: pip install 'aiollama[ray]' ({exc})", file=sys.stderr)
+        return 2
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+    serve.start(http_options={"host": args.host, "port": args.port})
+    options = {"n_ctx": args.n_ctx, "max_queued": args.max_queued, "n_gpu_layers": args.n_gpu_layers,
+               "host_cache_bytes": args.host_cache_mib << 20, "draft_tokens": args.draft_tokens,
+               "deterministic": args.deterministic}
+    if args.threads is not None:
+        options["n_threads"] = args.threads
+    gpus = {"num_gpus": 1} if args.n_gpu_layers != 0 else {}
+    serve.run(build_app(args.model, replicas=args.replicas, n_seq_max=args.n_seq_max, ray_actor_options=gpus,
+                        **options), name="aiollama", route_prefix="/")
+    print(f"aiollama: {args.replicas} replicas on http://{args.host}:{args.port} (Ctrl-C stops)", file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()  # type: ignore[no-untyped-call]
+        ray.shutdown()
     return 0
 
 
@@ -121,6 +157,8 @@ def parser() -> argparse.ArgumentParser:
                        help="n-gram speculation: draft up to this many tokens a step (0: off)")
     serve.add_argument("--deterministic", action="store_true",
                        help="each conversation's output independent of what runs beside it (CPU only)")
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="engines behind this endpoint, as Ray Serve replicas on this machine (needs aiollama[ray])")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")
     serve.add_argument("--log-level", default="info")
 

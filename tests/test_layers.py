@@ -35,7 +35,7 @@ LAYERS: dict[str, int] = {
     "aiollama.portal": 7, "aiollama.stream": 8, "aiollama.client": 9, "aiollama.chat_turns": 10,
     "aiollama.conversation": 11, "aiollama.engine": 12,
     # services: the public API only
-    "aiollama.live": 13, "aiollama.server": 14, "aiollama.cli": 15, "aiollama.__main__": 16,
+    "aiollama.live": 13, "aiollama.server": 14, "aiollama.ray": 15, "aiollama.cli": 16, "aiollama.__main__": 17,
 }
 PURE = {"aiollama.sampling", "aiollama.text", "aiollama.step", "aiollama.kvcache", "aiollama.chat",
         "aiollama.boundary", "aiollama.scheduler", "aiollama.outbox", "aiollama.generations",
@@ -44,7 +44,7 @@ PURE = {"aiollama.sampling", "aiollama.text", "aiollama.step", "aiollama.kvcache
 NO_EVENT_LOOP = PURE | {"aiollama.engine_core", "aiollama.decode_loop", "aiollama.executor", "aiollama.embedder", "aiollama.tokenizer", "aiollama.native",
                         "aiollama.errors", "aiollama._validate"}
 NATIVE_USERS = {"aiollama.native", "aiollama.tokenizer", "aiollama.executor", "aiollama.embedder"}
-SERVICES = {"aiollama.live", "aiollama.server", "aiollama.cli", "aiollama.__main__"}
+SERVICES = {"aiollama.live", "aiollama.server", "aiollama.ray", "aiollama.cli", "aiollama.__main__"}
 PUBLIC = {"aiollama", "aiollama.errors", "aiollama.models", "aiollama.sampling", "aiollama.toolcalls",
           "aiollama.reasoning"}
 EVENT_LOOP_LIBRARIES = {"anyio", "sniffio", "trio", "asyncio"}

@@ -1,0 +1,123 @@
+"""Replicas on Ray Serve: a local Ray instance on 127.0.0.1 (2 CPUs), two replicas of the tiny
+model behind Serve's proxy, the official OpenAI client in front."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+from ray import serve  # noqa: E402
+
+from aiollama.ray import REPLICA_HEADER, affinity_keys, build_app  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray's workers start in the driver's folder: from the repository root they would import the
+    # uncompiled sources, not the installed package
+    here = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray"))
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+    finally:
+        os.chdir(here)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(tiny_path, replicas=2, n_seq_max=4, n_ctx=4096, n_threads=1),
+                  name="aiollama", route_prefix="/")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def client(url: str) -> Any:
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_the_openai_client_streams_through_the_proxy(endpoint: str) -> None:
+    chunks = list(client(endpoint).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True))
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_conversations_stay_with_the_replica_that_holds_their_prefix(endpoint: str) -> None:
+    api = client(endpoint)
+    replicas: dict[int, set[str]] = {}
+    for conv in range(4):
+        messages = [{"role": "system", "content": f"You are assistant number {conv}. " * 8}]
+        previous = 0
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"Question {turn} of conversation {conv}?"})
+            raw = api.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=8,
+                                                                 temperature=0)
+            reply = raw.parse()
+            replicas.setdefault(conv, set()).add(raw.headers[REPLICA_HEADER])
+            usage = reply.usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            if turn:  # everything the previous turn evaluated is in that replica's cache
+                assert usage.prompt_tokens_details.cached_tokens >= previous - 1, (conv, turn, usage)
+            previous = usage.prompt_tokens
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+    assert all(len(served) == 1 for served in replicas.values()), replicas
+
+
+def test_a_dead_replica_fails_its_requests_and_the_other_serves(endpoint: str) -> None:
+    api = client(endpoint)
+    pinned = {"x-session-id": "doomed"}
+    raw = api.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                         max_tokens=2, extra_headers=pinned)
+    doomed = raw.headers[REPLICA_HEADER]
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(doomed))
+    stream = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "long"}],
+                                         max_tokens=3000, stream=True, extra_headers=pinned,
+                                         extra_body={"ignore_eos": True})
+    received = 0
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            received += 1
+            if received == 3:
+                ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    assert received < 3000
+    for i in range(4):  # the pinned conversation too: its replica is gone, another takes it
+        reply = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"after {i}"}],
+                                            max_tokens=4, extra_headers=pinned if i % 2 else None)
+        assert reply.choices[0].message.content is not None
+
+
+def test_affinity_keys() -> None:
+    chat = b'{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}'
+    lookup, record = affinity_keys([], chat)
+    assert len(lookup) == 2 and record == lookup[:1]
+    longer = chat.replace(b'"u"}]', b'"u"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]')
+    assert record[0] in affinity_keys([], longer)[0]  # the next turn finds this one
+    assert affinity_keys([(b"X-Session-Id", b"abc")], chat) == (("session:abc",), ("session:abc",))
+    assert affinity_keys([], b'{"prompt": "hi", "user": "ann"}') == (("user:ann",), ("user:ann",))
+    assert affinity_keys([], b"not json") == ((), ())
+    text = b'{"prompt": "' + b"x" * 600 + b'"}'
+    assert len(affinity_keys([], text)[0]) == 2  # 512 and 256 characters
+
+
+def test_build_app_takes_serve_run_arguments(tiny_path: Path) -> None:
+    app = build_app({"model": str(tiny_path), "replicas": "2", "n_ctx": "2048", "deterministic": "true"})
+    assert app is not None
+    with pytest.raises(ValueError, match="unknown engine option"):
+        build_app(tiny_path, n_ctxx=1)
