@@ -25,6 +25,8 @@ from aiollama.boundary import (
     Embed,
     EngineConfig,
     Generate,
+    Load,
+    Save,
     Shutdown,
     Statistics,
 )
@@ -53,6 +55,7 @@ class DecodeLoop:
         self.config = config
         self.admission = admission
         self.dead: EngineDead | None = None
+        self._failed: Command | None = None  # the command the decode thread failed on
         self.tokenizer: Tokenizer | None = None  # set once the executor is open
         self.fingerprint: Mapping[str, str | int] = {}
         self.n_ctx = 0
@@ -147,26 +150,37 @@ class DecodeLoop:
             if isinstance(command, Shutdown):
                 core.end_all(EngineClosed("the engine was closed while this stream ran"))
                 return False
-            core.handle(command)
+            try:
+                core.handle(command)
+            except BaseException:
+                self._failed = command  # it left the queue: it is answered with the leftovers
+                raise
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
 
     def _answer_leftovers(self, outbox: Outbox, error: AiollamaError) -> None:
-        """Commands that arrived after the loop stopped still get an answer."""
+        """Commands that arrived after the loop stopped, and the one it failed on, still get an
+        answer."""
+        failed, self._failed = self._failed, None
         while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
+            if failed is not None:
+                command, failed = failed, None
+            else:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
             if isinstance(command, Generate):
                 outbox.emit(command.sink, Delta(error=error))
             elif isinstance(command, Close) and command.ack is not None:
                 outbox.emit(command.ack, Ack())
             elif isinstance(command, ClearCache):
                 outbox.emit(command.ack, Ack())
-            elif isinstance(command, Embed):
+            elif isinstance(command, (Embed, Save)):
                 outbox.emit(command.sink, Delta(error=error))
+            elif isinstance(command, Load):
+                outbox.emit(command.sink, Ack())  # the conversation it made raises at its first use
         outbox.flush()
         outbox.wake_all()

@@ -55,7 +55,8 @@ class NullExecutor:
         self.fingerprint = {"model": "null"}
         self._piece = self.tokenizer.piece(97)
 
-    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int], matcher: Any = None) -> None:
+    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int], matcher: Any = None,
+                       guidance: Any = None) -> None:
         pass
 
     def stop_sampling(self, conv: int) -> None:

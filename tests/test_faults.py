@@ -111,6 +111,22 @@ async def test_a_fatal_fault_reaches_every_stream_and_the_exit(
         await engine.aclose()  # it stays dead
 
 
+async def test_a_fault_while_starting_a_stream_answers_that_stream(tiny_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command the decode thread fails on has left the queue: its caller is answered too."""
+    def broken(self: FaultyExecutor, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated sampler bug")
+
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(EngineDead, match="simulated sampler"):
+            async with Engine(tiny_path, n_ctx=1024, n_seq_max=4, executor=FaultyExecutor) as engine:
+                conv = engine.conversation("hello")
+                monkeypatch.setattr(FaultyExecutor, "start_sampling", broken)
+                with pytest.raises(EngineDead, match="simulated sampler"):
+                    await conv.stream(max_tokens=4)
+    assert decode_threads() == []
+
+
 def _run_script(code: str, model: Path) -> dict[str, object]:
     """Run ``code`` in a fresh interpreter (warnings are errors) and return what it printed as JSON."""
     proc = subprocess.run([sys.executable, "-X", "dev", "-W", "error", "-c", textwrap.dedent(code), str(model)],
