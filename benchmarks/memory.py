@@ -115,7 +115,9 @@ async def chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, str
 async def multi_turn(url: str) -> list[dict[str, Any]]:
     messages = [{"role": "system", "content": SYSTEM * 4}]
     rows = []
-    async with httpx.AsyncClient() as client:
+    # a connection per request: llama-server may close an idle kept-alive connection just as the
+    # next turn is sent on it ("Server disconnected without sending a response")
+    async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
         for turn in TURNS:
             messages.append({"role": "user", "content": turn})
             row = await chat(client, url, messages, 48)
