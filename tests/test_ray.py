@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,21 @@ def test_a_dead_replica_fails_its_requests_and_the_other_serves(endpoint: str) -
         reply = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"after {i}"}],
                                             max_tokens=4, extra_headers=pinned if i % 2 else None)
         assert reply.choices[0].message.content is not None
+    # and Ray replaces the dead replica
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        states = serve.status().applications["aiollama"].deployments["EngineReplica"].replica_states
+        alive = _replica_ids()
+        if len(alive) == 2 and doomed not in alive and states.get("RUNNING", 0) == 2:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the dead replica was not replaced: {states}")
+
+
+def _replica_ids() -> list[str]:
+    return [a["name"].rsplit("#", 1)[-1] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::") and "EngineReplica" in a["name"]]
 
 
 def test_affinity_keys() -> None:
