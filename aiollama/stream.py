@@ -65,7 +65,11 @@ class TokenHistory:
     def __init__(self, tokens: Sequence[int] = ()) -> None:
         self.tokens: list[int] = list(tokens)
         self._pending: deque[list[Sequence[int]]] = deque()  # per generation in flight: prompts after it
-        self._ends: dict[int, int] = {}  # id of a delivered delta -> the history's length after it
+        # id of a delivered delta not yet read -> (the history's length after it, context shifts
+        # made before it); shifts after it are applied when it is read, so a shift costs nothing
+        # however many deltas wait unread
+        self._ends: dict[int, tuple[int, int]] = {}
+        self._shifts: list[tuple[int, int]] = []  # (keep, n) of each context shift, in order
         self._mark = 0
         self._lock = threading.Lock()
 
@@ -101,24 +105,25 @@ class TokenHistory:
             if item.dropped is not None:
                 keep, n = item.dropped
                 del self.tokens[keep:keep + n]
-
-                def moved(end: int) -> int:
-                    return end if end <= keep else max(keep, end - n)
-                self._mark = moved(self._mark)
-                self._ends = {k: moved(v) for k, v in self._ends.items()}
+                self._mark = _moved(self._mark, keep, n)
+                self._shifts.append((keep, n))
             self.tokens.extend(item.history)
-            self._ends[id(item)] = len(self.tokens)
+            self._ends[id(item)] = (len(self.tokens), len(self._shifts))
             if (item.finish_reason is not None or item.error is not None) and self._pending:
                 for tokens in self._pending.popleft():
                     self.tokens.extend(tokens)
                 if not self._pending:
                     self._ends.clear()
+                    self._shifts.clear()
 
     def read(self, item: Item) -> None:
         """The stream yielded ``item`` to its reader."""
         with self._lock:
-            end = self._ends.pop(id(item), None)
-            if end is not None:
+            found = self._ends.pop(id(item), None)
+            if found is not None:
+                end, since = found
+                for keep, n in self._shifts[since:]:
+                    end = _moved(end, keep, n)
                 self._mark = end
 
     def rewind(self, n_tokens: int) -> None:
@@ -139,6 +144,11 @@ class TokenHistory:
         with self._lock:
             waiting = [t for prompts in self._pending for t in prompts]
             return (self.tokens[:self._mark] if self._pending else list(self.tokens)), waiting
+
+
+def _moved(end: int, keep: int, n: int) -> int:
+    """Where a history length lands after tokens ``[keep, keep + n)`` were dropped."""
+    return end if end <= keep else max(keep, end - n)
 
 
 @dataclass

@@ -117,9 +117,17 @@ async def test_bad_guidance() -> None:
 @pytest.mark.anyio
 async def test_a_high_priority_stream_goes_before_the_queued_low_ones() -> None:
     first_token: dict[str, float] = {}  # when each got its first token, by the engine's own timings
-    async with Engine(executor=fake, n_ctx=1024, n_seq_max=1) as engine:
+
+    def slow(config: EngineConfig) -> FakeExecutor:  # 2 ms a step: the endless stream stays readable
+        return FakeExecutor(config, fault=lambda plan: time.sleep(0.002))
+
+    async with Engine(executor=slow, n_ctx=1024, n_seq_max=1) as engine:
         running = engine.conversation("running").stream(max_tokens=None, ignore_eos=True, context_shift=True)
         await wait_for(engine, lambda s: s.active == 1)
+
+        async def drain() -> None:  # read it: an unread endless stream only piles up
+            async for _ in running:
+                pass
 
         async def one(name: str, priority: int) -> None:
             created = time.perf_counter()
@@ -128,6 +136,7 @@ async def test_a_high_priority_stream_goes_before_the_queued_low_ones() -> None:
             first_token[name] = created + done.stats.time_to_first_token
 
         async with anyio.create_task_group() as tg:
+            tg.start_soon(drain)
             for i, (name, priority) in enumerate([("low1", 5), ("low2", 5), ("high", -1), ("mid", 0)]):
                 tg.start_soon(one, name, priority)
                 await wait_for(engine, lambda s, n=i + 1: s.queued == n)

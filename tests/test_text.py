@@ -54,3 +54,18 @@ def test_stop_across_any_split(split: int) -> None:
     out, stopped = run([text[:split], text[split:]], stop=("<END>",))
     assert stopped and "".join(out) == "abc"
     assert all("<" not in s for s in out)
+
+
+def test_a_stream_read_after_context_shifts_forks_where_its_history_moved() -> None:
+    from aiollama.boundary import Delta
+    from aiollama.stream import TokenHistory
+
+    history = TokenHistory(list(range(10)))
+    history.generating()
+    first, second = Delta(history=(10,)), Delta(history=(11,), dropped=(2, 4))
+    history.take(first)
+    history.take(second)  # drops tokens [2, 6) before appending 11
+    history.read(first)
+    assert history.branch()[0] == [0, 1, 6, 7, 8, 9, 10]
+    history.read(second)
+    assert history.branch()[0] == [0, 1, 6, 7, 8, 9, 10, 11]
