@@ -14,7 +14,6 @@ appends after that generation ends.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import weakref
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 import anyio
 
 from aiollama import savefile
+from aiollama._validate import number
 from aiollama.boundary import Cancel, Close, Delta, Fork, Generate, Item, Prompt, Rewind, Save, Snapshot
 from aiollama.chat import Messages
 from aiollama.chat_turns import ChatTurns
@@ -209,15 +209,12 @@ class _ConversationBase:
             raise InvalidRequestError(f"guidance must be a conversation of the same engine, got {guide!r}")
         if guide is self:
             raise InvalidRequestError("a conversation cannot guide its own stream")
-        if scale is None:
-            scale = 1.0
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise InvalidRequestError(f"guidance_scale must be a finite number, got {scale!r}")
+        scale = 1.0 if scale is None else number("guidance_scale", scale)
         guide._check()
         guide._check_settled("guiding another stream")
         if not len(guide):
             raise InvalidRequestError("the guidance conversation is empty: prompt it first")
-        return guide, float(scale)
+        return guide, scale
 
     def _take(self, guide: _ConversationBase | None) -> Callable[[Item], None]:
         """What the stream's sink does with each delivered item: the histories it extends."""

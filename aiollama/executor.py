@@ -175,7 +175,7 @@ class NativeExecutor:
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model)
         self._samplers: dict[int, _Sampler] = {}
         self._masks: Masks | None = None
-        self._rows: dict[int, int] = {}  # conv -> its logits row in this step
+        self._rows: dict[int, int] = {}  # conv -> the logits row of a guiding sequence in this step
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
                        matcher: Any = None, guidance: tuple[int, float] | None = None) -> None:
@@ -204,8 +204,8 @@ class NativeExecutor:
         for s in plan.slices:
             last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits, n_outputs=s.draft + s.logits)
             if s.logits:
-                self._rows[s.conv] = last - s.draft
                 if s.conv not in self._samplers:
+                    self._rows[s.conv] = last  # a guiding sequence's row, no draft
                     continue  # the row of a sequence that guides another: read with that one's
                 if s.draft:
                     drafts.append((len(outputs), s))

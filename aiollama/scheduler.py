@@ -94,6 +94,7 @@ class Scheduler:
         self._shifted: list[tuple[int, int, int]] = []
         self._rr = 0
         self._clock = clock
+        self._pairs = 0  # guided generations submitted and not finished
 
     # what callers asked for
 
@@ -155,7 +156,6 @@ class Scheduler:
             if len(partner.tokens) >= self.n_ctx:
                 raise ContextFull(f"the guidance conversation holds {len(partner.tokens)} tokens; "
                                   f"the context has {self.n_ctx}")
-            n_keep = None  # the two histories must stay in step: no context shift
         if n_keep is not None and n_keep > self.n_ctx // 2:
             raise InvalidRequestError(f"n_keep ({n_keep}) must be at most half the context ({self.n_ctx // 2})")
         dropped = None
@@ -178,6 +178,7 @@ class Scheduler:
         if partner is not None:
             seq.guide, partner.owner = partner, seq
             partner.priority = priority
+            self._pairs += 1
         self._waiting.append(seq)
         return dropped
 
@@ -194,6 +195,8 @@ class Scheduler:
             s.phase = Phase.IDLE
             s.follow = s.n_keep = s.draft = s.owner = None
             s.last_used = self.kv.tick()
+        if seq.guide is not None:
+            self._pairs -= 1
         seq.guide = None
 
     def remove(self, conv: int) -> None:
@@ -225,7 +228,7 @@ class Scheduler:
         plan."""
         self._admit()
         slices = self._fit(self._slices())
-        if any(s.guide is not None for s in self._running):
+        if self._pairs:
             slices = self._lockstep(slices)
         admitted, self._admitted = tuple(self._admitted), []
         shifted, self._shifted = tuple(self._shifted), []
@@ -273,7 +276,7 @@ class Scheduler:
         if victim is not None:
             self.kv.evict(victim, victim.n_cached, whole=True)
             return True
-        if len(self._running) > 1 + any(s.guide is not None for s in self._running):
+        if self._several_running():
             self._preempt(self._victim())
             return True
         return False
@@ -458,7 +461,7 @@ class Scheduler:
         while need() > self.kv.free and self._running:
             gone = self._preempt(self._victim())
             slices = [s for s in slices if s.conv not in gone]
-        if starved and not slices and len(self._running) > 1 + any(s.guide is not None for s in self._running):
+        if starved and not slices and self._several_running():
             # not even a prompt chunk fits: the newest stream gives way, so the others progress
             self._preempt(self._victim())
         return slices
@@ -476,6 +479,10 @@ class Scheduler:
             elif len(s.tokens) - s.draft > 1:
                 kept.append(Slice(s.conv, s.seq_id, s.pos, s.tokens[:-1 - s.draft], False))
         return kept
+
+    def _several_running(self) -> bool:
+        """More than one generation runs (a sequence that guides another is part of that one)."""
+        return sum(s.owner is None for s in self._running) > 1
 
     def _victim(self) -> SeqState:
         """The running generation to preempt first: the lowest priority, then the newest."""

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiollama  # noqa: E402
 import tools  # noqa: E402
 from aiollama.native import Model, available_cpus  # noqa: E402
-from common import StreamTiming, machine, prompts, save_results, throughput  # noqa: E402
+from common import machine, prompts, save_results, throughput  # noqa: E402
+from scenarios import aiollama_streams  # noqa: E402
 
 LEVELS = (1, 8, 32)
 PROMPT, NEW, LONG = 64, 128, 1000
@@ -35,20 +36,8 @@ async def one_round(model: Path, threads: int, deterministic: bool, n_vocab: int
     async with aiollama.Engine(model, n_ctx=8192, n_seq_max=32, n_threads=threads,
                                deterministic=deterministic) as engine:
         for n in LEVELS:
-            timings = [StreamTiming(0.0) for _ in range(n)]
-            convs = [engine.conversation(p) for p in prompts(n, PROMPT, n_vocab, seed=n)]
-
-            async def run(i: int) -> None:
-                timings[i].start = time.perf_counter()
-                async for chunk in convs[i].stream(max_tokens=NEW, temperature=0.7, seed=i, ignore_eos=True):
-                    timings[i].arrivals.extend([time.perf_counter()] * len(chunk.tokens))
-
-            async with anyio.create_task_group() as tg:
-                for i in range(n):
-                    tg.start_soon(run, i)
+            timings = await aiollama_streams(engine, prompts(n, PROMPT, n_vocab, seed=n), NEW)
             out[f"decode_tps_{n}"] = throughput(timings)["decode_tps"]
-            for conv in convs:
-                await conv.aclose()
         await engine.clear_cache()
         conv = engine.conversation(prompts(1, LONG, n_vocab, seed=99)[0])
         start = time.perf_counter()
