@@ -401,6 +401,7 @@ class Statistics:
     restores: int = 0  # states put back from host memory
     evictions: int = 0  # idle holders that gave cells back
     preemptions: int = 0  # running streams stopped to free cells
+    compactions: int = 0  # deterministic mode: the cache re-laid to reclaim freed cells
 
     @property
     def python_overhead(self) -> float:

@@ -74,7 +74,8 @@ class EngineCore:
         self.admission = admission
         self.scheduler = Scheduler(n_ctx=executor.n_ctx, n_seq_max=executor.n_seq_max, n_batch=executor.n_batch,
                                    step_tokens=config.step_tokens, max_running=config.n_seq_max,
-                                   host_bytes=config.host_cache_bytes, can_shift=executor.can_shift)
+                                   host_bytes=config.host_cache_bytes, can_shift=executor.can_shift,
+                                   ordered=config.deterministic)
         self.outbox = Outbox()
         self.generations = Generations(admission, self.outbox, executor.n_ctx)
         self.prefilling: frozenset[int] = frozenset()  # a cancel of these aborts the running decode
@@ -239,6 +240,7 @@ class EngineCore:
         kv = self.scheduler.kv
         if command.state and 0 < command.n_cached <= len(command.tokens) and kv.free_cells(command.n_cached) \
                 and kv.assign(seq):
+            kv.room(command.n_cached)
             self._sync_kv()  # evictions first: they may have freed the very seq id now assigned
             assert seq.seq_id is not None
             if self.executor.write_state(seq.seq_id, command.state):
@@ -315,5 +317,6 @@ class EngineCore:
             decode_steps=c.decode_steps, aborted_steps=c.aborted_steps, decode_seconds=c.decode_seconds,
             step_seconds=c.step_seconds, step_histogram=tuple(self._step_counts),
             cache_hit_tokens=sched.cache_hit_tokens, parked=len(kv.host), parked_bytes=kv.host.used_bytes,
-            parks=kv.parks, restores=kv.restores, evictions=kv.evictions, preemptions=sched.preemptions)
+            parks=kv.parks, restores=kv.restores, evictions=kv.evictions, preemptions=sched.preemptions,
+            compactions=kv.compactions)
 

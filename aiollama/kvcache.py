@@ -12,6 +12,13 @@ When cells are needed, idle holders give them back least recently used first, le
 gives up only the cells nobody else holds (its tail beyond the prefix it shares). With a host budget
 its whole state is parked in host memory first (:mod:`aiollama.hostcache`); without one only as
 much of its tail as is needed is dropped.
+
+With ``ordered`` (the engine's deterministic mode) every sequence must hold its cells in position
+order, and llama.cpp gives a new token the lowest free cell: a cell freed below a sequence's cells
+would take its next token out of order. So the executor never frees a cell; it hands it to a
+tombstone sequence instead, and this manager counts those ``holes``. When the cells a step or a
+restore needs are free only once the holes are reclaimed, it asks for a :class:`Compact`: the
+cache is re-laid, prefixes still shared, and the holes are free again.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 from aiollama.hostcache import HostCache, Parked
 from aiollama.kvtree import KVCells, Span, cached
 from aiollama.speculation import DraftLength
-from aiollama.step import Copy, Op, Park, Remove, Restore, Shift
+from aiollama.step import Compact, Copy, Op, Park, Relay, Remove, Restore, Shift
 
 # A holder with fewer cells than this is not worth parking in host memory: it is dropped instead.
 MIN_PARK_TOKENS = 16
@@ -85,8 +92,12 @@ def unique_cells(seq: SeqState) -> int:
 class KVManager:
     """Seq ids, the cells each holder holds, and the KV operations that keep llama.cpp in step."""
 
-    def __init__(self, n_cells: int, n_seq_max: int, host: HostCache | None = None) -> None:
+    def __init__(self, n_cells: int, n_seq_max: int, host: HostCache | None = None, *,
+                 ordered: bool = False) -> None:
         self.cells = KVCells(n_cells)
+        self.ordered = ordered
+        self.holes = 0  # ordered: cells released here that the context still holds (tombstones)
+        self.compactions = 0
         self.n_seq_max = n_seq_max
         self.host = host if host is not None else HostCache(0)
         self.parks = self.restores = self.evictions = 0
@@ -147,7 +158,9 @@ class KVManager:
         """Release a holder's cells and seq id."""
         if seq.seq_id is not None:
             self._ops.append(Remove(seq.seq_id))
+            used = self.cells.used
             self.cells.release(seq.kv)
+            self._released(used)
             del self._holders[seq.seq_id]
             self.n_entries -= seq.entry
             self._free_ids.append(seq.seq_id)
@@ -162,14 +175,18 @@ class KVManager:
         """Keep only the first ``keep`` cached positions of ``seq``."""
         if seq.seq_id is not None and keep < seq.n_cached:
             self._ops.append(Remove(seq.seq_id, keep))
+            used = self.cells.used
             self._set_tail(seq, self.cells.truncate(seq.kv, keep))
+            self._released(used)
 
     def share(self, seq: SeqState, donor: SeqState, n: int) -> None:
         """``seq`` drops what it holds and shares ``donor``'s first ``n`` positions instead."""
         assert seq.seq_id is not None and donor.seq_id is not None
         if seq.kv is not None:
             self._ops.append(Remove(seq.seq_id))
+            used = self.cells.used
             self.cells.release(seq.kv)
+            self._released(used)
             self._set_tail(seq, None)
         self._ops.append(Copy(donor.seq_id, seq.seq_id, n))
         self._set_tail(seq, self.cells.share(donor.kv, n))
@@ -194,7 +211,9 @@ class KVManager:
         assert seq.seq_id is not None and unique_cells(seq) >= seq.n_cached - keep
         moved = seq.tokens[keep + n:seq.n_cached]
         self._ops.append(Shift(seq.seq_id, keep, n))
+        used = self.cells.used
         self._set_tail(seq, self.cells.extend(self.cells.truncate(seq.kv, keep), moved))
+        self._released(used)
 
     # the prefix cache and eviction
 
@@ -265,6 +284,7 @@ class KVManager:
         first ``n`` positions, which ``seq.tokens`` begins with. Its tokens can be decoded from the
         next step on."""
         assert seq.seq_id is not None and seq.kv is None and parked.data is not None
+        self.room(len(parked.tokens))
         self.host.take(parked.key)
         self._ops.append(Restore(seq.seq_id, parked.data))
         self._set_tail(seq, self.cells.extend(None, parked.tokens))
@@ -272,6 +292,48 @@ class KVManager:
         seq.restoring = True
         seq.restores += 1
         self.restores += 1
+
+    # ordered cells
+
+    def _released(self, used: int) -> None:
+        """Cells went from ``used`` to ``self.cells.used``: ordered, the context keeps them as holes."""
+        if self.ordered:
+            self.holes += used - self.cells.used
+
+    def room(self, needed: int) -> None:
+        """Ordered: make sure the context has ``needed`` free cells above every held one, re-laying
+        the cache when the holes are in the way. (``free_cells`` decides what is evicted; this
+        only reclaims what was.)"""
+        if self.ordered and self.holes and self.cells.free - self.holes < needed:
+            self.compact()
+
+    def compact(self) -> None:
+        """Re-lay every holder's cells (see :class:`~aiollama.step.Compact`): each path of the
+        prefix tree is restored once, by the first holder through it; later holders share it."""
+        by_span: dict[Span, int] = {}  # span -> the seq id that restores it
+        relays: list[Relay] = []
+        for seq_id in sorted(self._holders):
+            seq = self._holders[seq_id]
+            path: list[Span] = []
+            span = seq.kv
+            while span is not None:
+                path.append(span)
+                span = span.parent
+            if not path:
+                continue
+            path.reverse()
+            donor: int | None = None
+            shared = 0
+            for span in path:
+                if span not in by_span:
+                    break
+                donor, shared = by_span[span], span.end
+            for span in path:
+                by_span.setdefault(span, seq_id)
+            relays.append(Relay(seq_id, donor, shared))
+        self._ops.append(Compact(tuple(relays)))
+        self.holes = 0
+        self.compactions += 1
 
     def restored(self, seq: SeqState, ok: bool) -> None:
         """The executor put the state back (or could not: ``seq`` then holds nothing)."""

@@ -71,12 +71,14 @@ class Scheduler:
     """Sequences, seq ids and KV cells of one context, and each step's plan.
 
     ``n_seq_max`` is how many seq ids the context has (holders of cached prefixes included);
-    ``max_running`` how many sequences may generate at once (default: all of them).
+    ``max_running`` how many sequences may generate at once (default: all of them). ``ordered``
+    keeps each sequence's cells in position order (the deterministic mode; see
+    :mod:`aiollama.kvcache`).
     """
 
     def __init__(self, *, n_ctx: int, n_seq_max: int, n_batch: int, step_tokens: int,
                  max_running: int | None = None, host_bytes: int = 0, can_shift: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 ordered: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.n_ctx = n_ctx
@@ -84,7 +86,7 @@ class Scheduler:
         self.step_tokens = min(step_tokens, n_batch)
         self.max_running = min(max_running or n_seq_max, n_seq_max)
         self.can_shift = can_shift  # the memory can move positions (seq_add)
-        self.kv = KVManager(n_ctx, n_seq_max, HostCache(host_bytes))
+        self.kv = KVManager(n_ctx, n_seq_max, HostCache(host_bytes), ordered=ordered)
         self.preemptions = 0
         self.cache_hit_tokens = 0  # tokens an admission did not have to evaluate
         self._seqs: dict[int, SeqState] = {}
@@ -230,6 +232,7 @@ class Scheduler:
         slices = self._fit(self._slices())
         if self._pairs:
             slices = self._lockstep(slices)
+        self.kv.room(sum(len(s.tokens) for s in slices))
         admitted, self._admitted = tuple(self._admitted), []
         shifted, self._shifted = tuple(self._shifted), []
         return Plan(self.kv.take_ops(), tuple(slices), admitted, shifted)

@@ -59,7 +59,27 @@ class Restore:
     data: bytes = field(repr=False)
 
 
-Op = Remove | Copy | Shift | Park | Restore
+@dataclass(frozen=True)
+class Relay:
+    """One sequence of a :class:`Compact`: put back from its saved state; with ``donor``, its first
+    ``shared`` positions are shared from that (already re-laid) sequence and only the rest is
+    restored."""
+
+    seq_id: int
+    donor: int | None = None
+    shared: int = 0
+
+
+@dataclass(frozen=True)
+class Compact:
+    """Re-lay the whole cache (deterministic mode): save every sequence, empty the memory, and put
+    them back in this order, so that each holds its cells in position order with no freed cell
+    below any of them. Prefixes stay shared."""
+
+    relays: tuple[Relay, ...]
+
+
+Op = Remove | Copy | Shift | Park | Restore | Compact
 
 
 @dataclass(frozen=True)

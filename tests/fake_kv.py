@@ -1,20 +1,26 @@
 """A fake of llama.cpp's unified KV cache, with its rules: positions continue each sequence, seq_cp
 shares cells, a cell is freed with its last sequence, and a batch that does not fit is refused.
-Each cell keeps its token, so a fake model can read a sequence back."""
+Each cell keeps its token, so a fake model can read a sequence back.
+
+``ordered`` fakes the deterministic mode's executor: a freed cell stays held (a tombstone) until a
+``Compact`` re-lays the cache, so a batch fits only in the cells above them."""
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
 
-from aiollama.step import Copy, Op, Park, Plan, Remove, Restore, Shift
+from aiollama.step import Compact, Copy, Op, Park, Plan, Relay, Remove, Restore, Shift
 
 
 class FakeKV:
-    def __init__(self, n_ctx: int, n_seq_max: int) -> None:
+    def __init__(self, n_ctx: int, n_seq_max: int, *, ordered: bool = False) -> None:
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
         self.cells: list[tuple[int, set[int], int]] = []  # (pos, seq ids, token) of used cells
+        self.ordered = ordered
+        self.tombstones = 0  # ordered: freed cells still held
+        self.compactions = 0
 
     @property
     def used(self) -> int:
@@ -49,6 +55,8 @@ class FakeKV:
                               for p, ids, t in self.cells]
             elif isinstance(op, Park):
                 parked[op.key] = self.read(op.seq_id)
+            elif isinstance(op, Compact):
+                self.compact(op.relays)
             else:
                 assert isinstance(op, Restore)
                 restored[op.seq_id] = self.write(op.seq_id, op.data)
@@ -58,7 +66,26 @@ class FakeKV:
         def gone(p: int) -> bool:
             return p >= p0 and (p1 is None or p < p1)
         self.cells = [(p, ids - {seq_id} if gone(p) else ids, t) for p, ids, t in self.cells]
+        used = len(self.cells)
         self.cells = [(p, ids, t) for p, ids, t in self.cells if ids]
+        if self.ordered:
+            self.tombstones += used - len(self.cells)
+
+    def compact(self, relays: Sequence[Relay]) -> None:
+        """Save every sequence, empty the cache, put each back: a donor's first positions shared,
+        the rest from the saved cells. A sequence left out of the relays loses its cells."""
+        assert self.ordered
+        saved = {r.seq_id: self.read(r.seq_id) for r in relays}
+        self.cells, self.tombstones = [], 0
+        self.compactions += 1
+        for r in relays:
+            held = pickle.loads(saved[r.seq_id]) if saved[r.seq_id] else []
+            self.cells += [(p, {r.seq_id}, t) for p, t in held if p >= r.shared]
+            if r.donor is not None:
+                donated = [ids for p, ids, _ in self.cells if r.donor in ids and p < r.shared]
+                assert len(donated) == r.shared, "the donor does not hold the shared positions"
+                for ids in donated:
+                    ids.add(r.seq_id)
 
     def read(self, seq_id: int) -> bytes:
         """A sequence's cells as bytes (as llama_state_seq_get_data gives them)."""
@@ -69,13 +96,13 @@ class FakeKV:
         """Put cells back into an emptied sequence; False (and nothing) if they do not fit."""
         self.remove(seq_id)
         held = pickle.loads(data)
-        if self.used + len(held) > self.n_ctx:
+        if self.used + self.tombstones + len(held) > self.n_ctx:
             return False
         self.cells += [(p, {seq_id}, t) for p, t in held]
         return True
 
     def fits(self, plan: Plan) -> bool:
-        return self.used + plan.n_tokens <= self.n_ctx
+        return self.used + self.tombstones + plan.n_tokens <= self.n_ctx
 
     def decode(self, plan: Plan, limit: int | None = None) -> bool:
         """Store the plan's tokens (only the first ``limit`` of them: an interrupted decode);

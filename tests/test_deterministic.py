@@ -4,10 +4,15 @@ Golden tests compare a sequence's logits bit for bit, decoded alone (one thread)
 31 random batch-mates (two threads), with short and long (> 1,000 cells) contexts, batch-mates
 evaluated before it or beside it, on Q4_1, Q8_0, F16 and Q4_K tiny models. The same comparisons
 without the mode find differences: the test has teeth.
+
+Freed cells: a conversation's logits stay the same while others around it are evicted, preempted,
+parked and restored, rewound and closed (the cache is re-laid to keep each sequence's cells in
+position order); without that re-laying they change.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +22,9 @@ import pytest
 
 import aiollama
 from aiollama import Engine, EngineConfig, InvalidRequestError
-from aiollama.native import Batch, Context, DecodeStatus, Model
+from aiollama.executor import NativeExecutor
+from aiollama.kvcache import KVManager
+from aiollama.native import Batch, Context, DecodeStatus, Model, seqstate
 from helpers import gather
 from tiny_model import quantized_model
 
@@ -164,3 +171,122 @@ def test_quantize_refuses_what_it_cannot_do(tmp_path: Path, tiny_path: Path) -> 
         quantize(tiny_path, tmp_path / "x.gguf", "q3_xyz")
     with pytest.raises(ModelNotFound):
         quantize(tmp_path / "missing.gguf", tmp_path / "x.gguf", "q8_0")
+
+
+# freed cells
+
+
+def test_a_state_is_put_in_position_order_and_cut(tiny_path: Path) -> None:
+    """A state whose cells sit out of position order (a later position in a freed cell below) is
+    put in order; cut at a position, restored beside a donor that shares the rest, it gives the
+    same logits as the whole ordered state, wherever its cells land."""
+    rng = random.Random(2)
+    target = [rng.randrange(100, 40000) for _ in range(200)]
+    filler = [rng.randrange(100, 40000) for _ in range(120)]
+
+    def next_row(ctx: Context, batch: Batch, seq: int) -> np.ndarray:
+        batch.clear()
+        row = batch.add_tokens(target[199:], 199, seq, output_last=True)
+        assert ctx.decode(batch) is DecodeStatus.OK
+        return np.frombuffer(ctx.logits_buffer(row), dtype=np.float32).copy()
+
+    def evaluate(ctx: Context, batch: Batch, tokens: Sequence[int], pos: int, seq: int) -> None:
+        batch.clear()
+        batch.add_tokens(tokens, pos, seq)
+        assert ctx.decode(batch) is DecodeStatus.OK
+
+    with Model(tiny_path, repack=False) as model, Batch(512) as batch:
+        def context() -> Context:
+            return Context(model, n_ctx=1024, n_batch=512, n_seq_max=4, n_threads=2, kv_unified=True,
+                           flash_attn=True, reference_kernels=True)
+
+        with context() as ctx:
+            evaluate(ctx, batch, filler, 0, 1)
+            evaluate(ctx, batch, target[:150], 0, 0)
+            ctx.seq_rm(1)
+            evaluate(ctx, batch, target[150:199], 150, 0)  # into the cells seq 1 freed
+            messy = ctx.seq_state(0)
+            row_messy = next_row(ctx, batch, 0)
+        assert seqstate.positions(messy)[:2] == [150, 151] and seqstate.positions(messy)[49] == 0
+        good = seqstate.ordered(messy)
+        cut = seqstate.ordered(messy, 120)
+        assert seqstate.positions(good) == list(range(199)) and len(good) == len(messy)
+        assert seqstate.positions(cut) == list(range(120, 199))
+        assert seqstate.ordered(good) is good and seqstate.ordered(messy, 500) == b""
+        with context() as ctx:
+            ctx.set_seq_state(0, good)
+            row_good = next_row(ctx, batch, 0)
+        with context() as ctx:  # another sequence's cells first: the same order, other cells
+            evaluate(ctx, batch, filler, 0, 3)
+            ctx.set_seq_state(2, good)
+            ctx.set_seq_state(0, cut)
+            ctx.seq_cp(2, 0, 0, 120)
+            row_cut = next_row(ctx, batch, 0)
+        assert np.array_equal(row_good, row_cut)
+        assert not np.array_equal(row_good, row_messy)  # the order of the cells changes the sums
+    with pytest.raises(seqstate.StateFormatError):
+        seqstate.ordered(good[:-3])
+
+
+async def busy_logits(model: Path, busy: bool, threads: int = 2) -> tuple[list[int], list[np.ndarray], aiollama.Statistics]:
+    """A low-priority conversation's tokens and logits rows in a small cache, alone or among 24
+    others that come and go: evicted, preempted (it is the first to go), parked and restored,
+    rewound, forked and closed."""
+    rows: list[np.ndarray] = []
+
+    def keep(tokens: tuple[int, ...], logits: np.ndarray) -> None:
+        rows.append(logits.copy())
+
+    async with Engine(model, n_ctx=1024, n_seq_max=6, n_threads=threads, step_tokens=64,
+                      deterministic=True) as engine:
+        rng, own = random.Random(3), random.Random(7)
+
+        async def mate(i: int) -> None:
+            await asyncio.sleep(rng.random() * 0.3)
+            conv = engine.conversation([rng.randrange(100, 40000) for _ in range(rng.randrange(60, 260))])
+            await conv.stream(max_tokens=rng.randrange(10, 60), ignore_eos=True)
+            if i % 3 == 0:
+                conv.rewind(rng.randrange(5, 30))
+                fork = conv.fork()
+                await fork.stream(max_tokens=20, ignore_eos=True)
+                await fork.aclose()
+            if i % 2 == 0:
+                await conv.aclose()
+
+        mates = [asyncio.create_task(mate(i)) for i in range(24 if busy else 0)]
+        conv = engine.conversation([own.randrange(100, 40000) for _ in range(300)])
+        await conv.stream(max_tokens=64, ignore_eos=True, logits_processors=[keep], priority=5,
+                          temperature=0.0)
+        await asyncio.gather(*mates)
+        return list(conv.tokens[300:]), rows, engine.statistics()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_logits_stay_the_same_while_cells_are_freed_around(tiny_path: Path) -> None:
+    alone = await busy_logits(tiny_path, False, threads=1)
+    tokens, rows, stats = await busy_logits(tiny_path, True)
+    assert stats.preemptions > 0 and stats.restores > 0 and stats.evictions > 0 and stats.compactions > 0
+    assert tokens == alone[0]
+    assert len(rows) == len(alone[1]) == 64 and all(np.array_equal(a, b) for a, b in zip(rows, alone[1]))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_without_re_laying_freed_cells_change_the_logits(tiny_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    init = KVManager.__init__
+
+    def unordered(self: KVManager, *args: object, **kwargs: object) -> None:
+        kwargs["ordered"] = False
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def no_tombstone(self: NativeExecutor, model_path: Path) -> None:
+        self._tombstone = None
+
+    monkeypatch.setattr(KVManager, "__init__", unordered)
+    monkeypatch.setattr(NativeExecutor, "_check_state_layout", no_tombstone)
+    alone = await busy_logits(tiny_path, False, threads=1)
+    _, rows, stats = await busy_logits(tiny_path, True)
+    assert stats.compactions == 0
+    assert not all(np.array_equal(a, b) for a, b in zip(rows, alone[1]))

@@ -11,7 +11,7 @@ import pytest
 from aiollama.errors import ContextFull
 from aiollama.kvcache import MIN_PARK_TOKENS, Phase
 from aiollama.scheduler import MIN_PREFILL_CHUNK, Scheduler, common_prefix
-from aiollama.step import Copy, Plan, Sampled, StepResult, StepStatus
+from aiollama.step import Compact, Copy, Plan, Sampled, StepResult, StepStatus
 from fake_kv import FakeKV
 
 
@@ -19,10 +19,10 @@ class Harness:
     """Runs the scheduler against the fake KV; every sampled token is 1000 + step."""
 
     def __init__(self, n_ctx: int = 256, n_seq_max: int = 4, n_batch: int = 64, step_tokens: int = 32,
-                 max_running: int | None = None, host_bytes: int = 0) -> None:
+                 max_running: int | None = None, host_bytes: int = 0, ordered: bool = False) -> None:
         self.sched = Scheduler(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, step_tokens=step_tokens,
-                               max_running=max_running, host_bytes=host_bytes)
-        self.kv = FakeKV(n_ctx, n_seq_max)
+                               max_running=max_running, host_bytes=host_bytes, ordered=ordered)
+        self.kv = FakeKV(n_ctx, n_seq_max, ordered=ordered)
         self.generated: dict[int, list[int]] = {}
         self.limit: dict[int, int] = {}
         self.plans: list[Plan] = []
@@ -52,11 +52,13 @@ class Harness:
 
     def check(self) -> None:
         assert self.kv.used == self.sched.kv.cells.used
+        assert self.kv.tombstones == self.sched.kv.holes
         ids = [s.seq_id for s in self.sched.sequences() if s.seq_id is not None]
         assert len(ids) == len(set(ids))
         for seq in self.sched.sequences():
             if seq.seq_id is not None:
                 assert self.kv.positions(seq.seq_id) == list(range(seq.n_cached))
+                assert self.kv.tokens(seq.seq_id) == seq.tokens[:seq.n_cached]
 
     def run(self, max_steps: int = 1000) -> int:
         n = 0
@@ -258,3 +260,69 @@ def test_scheduler_imports_neither_cffi_nor_anyio(tmp_path: Path) -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ordered cells (the deterministic mode)
+
+
+@pytest.mark.parametrize("host_bytes", [0, 1 << 20])
+def test_ordered_cells_are_reclaimed_by_compaction_and_keep_every_sequence(host_bytes: int) -> None:
+    """Freed cells stay held until a compaction re-lays the cache; steps never need them before,
+    and every sequence keeps its tokens (Harness.check) through evictions, preemptions, parking,
+    forks sharing prefixes, closes and rewinds."""
+    h = Harness(n_ctx=160, n_seq_max=6, step_tokens=48, host_bytes=host_bytes, ordered=True)
+    conv = 0
+    for round_ in range(6):
+        base = [round_ * 1000 + i for i in range(30)]
+        h.start(conv, base, 8)
+        h.run()
+        for child in (conv + 1, conv + 2):
+            h.sched.fork(conv, child)
+            h.start(child, None, 10 + child % 5)
+        h.start(conv + 3, [round_ * 1000 + 500 + i for i in range(40)], 12)
+        h.run()
+        h.sched.rewind(conv + 1, 5)
+        h.kv.apply(h.sched.take_ops())
+        h.check()
+        for gone in (conv, conv + 2):
+            h.sched.remove(gone)
+        h.kv.apply(h.sched.take_ops())
+        h.check()
+        conv += 4
+    kv = h.sched.kv
+    assert kv.compactions == h.kv.compactions > 0
+    assert kv.evictions > 0
+    assert all(len(g) == h.limit[c] for c, g in h.generated.items())
+
+
+def test_ordered_compaction_shares_each_prefix_once() -> None:
+    h = Harness(n_ctx=256, n_seq_max=6, ordered=True)
+    h.start(1, list(range(1, 41)), 4)
+    h.run()
+    for child in (2, 3):
+        h.sched.fork(1, child)
+        h.start(child, None, 6)
+    h.run()
+    used = h.kv.used
+    h.sched.kv.compact()
+    ops = h.sched.take_ops()
+    h.kv.apply(ops)
+    h.check()
+    assert h.kv.used == used  # nothing was copied twice
+    (compact,) = ops
+    assert isinstance(compact, Compact)
+    ids = {h.sched.get(c).seq_id: c for c in (1, 2, 3)}
+    donors = {ids[r.seq_id]: (None if r.donor is None else ids[r.donor], r.shared) for r in compact.relays}
+    assert donors[1] == (None, 0)  # the first one restores the common prefix
+    assert donors[2][0] == 1 and donors[3][0] in (1, 2) and donors[2][1] == donors[3][1] == h.sched.get(1).n_cached
+
+
+def test_unordered_cells_are_freed_at_once() -> None:
+    h = Harness(n_ctx=64, n_seq_max=4)
+    h.start(1, list(range(1, 30)), 3)
+    h.run()
+    h.sched.rewind(1, 10)
+    h.kv.apply(h.sched.take_ops())
+    assert h.sched.kv.holes == 0 and h.kv.tombstones == 0
+    h.sched.kv.room(60)
+    assert h.sched.kv.compactions == 0

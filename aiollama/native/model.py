@@ -84,6 +84,7 @@ class Model(Handle):
         self.n_layer: int = lib.llama_model_n_layer(ptr)
         self.n_params: int = lib.llama_model_n_params(ptr)
         self.size: int = lib.llama_model_size(ptr)
+        self.n_swa: int = lib.llama_model_n_swa(ptr)  # > 0: a sliding-window attention model
         # Recurrent and hybrid memories cannot drop the tail of a sequence (seq_rm of a partial range)
         self.is_recurrent: bool = bool(lib.llama_model_is_recurrent(ptr) or lib.llama_model_is_hybrid(ptr))
 
