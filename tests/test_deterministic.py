@@ -228,47 +228,54 @@ def test_a_state_is_put_in_position_order_and_cut(tiny_path: Path) -> None:
         seqstate.ordered(good[:-3])
 
 
-async def busy_logits(model: Path, busy: bool, threads: int = 2) -> tuple[list[int], list[np.ndarray], aiollama.Statistics]:
-    """A low-priority conversation's tokens and logits rows in a small cache, alone or among 24
+async def busy_logits(model: Path, busy: bool, threads: int = 2, *,
+                      shift: bool = False) -> tuple[list[int], list[np.ndarray], aiollama.Statistics]:
+    """A low-priority conversation's last tokens and logits rows in a small cache, alone or among
     others that come and go: evicted, preempted (it is the first to go), parked and restored,
-    rewound, forked and closed."""
+    rewound, forked and closed. With ``shift`` it outgrows the context and shifts, among short ones."""
     rows: list[np.ndarray] = []
 
     def keep(tokens: tuple[int, ...], logits: np.ndarray) -> None:
         rows.append(logits.copy())
 
-    async with Engine(model, n_ctx=1024, n_seq_max=6, n_threads=threads, step_tokens=64,
+    n_ctx, prompt, new, n_mates, lengths = (512, 400, 200, 12, (20, 60)) if shift else (1024, 300, 64, 24, (60, 260))
+    async with Engine(model, n_ctx=n_ctx, n_seq_max=6, n_threads=threads, step_tokens=64,
                       deterministic=True) as engine:
         rng, own = random.Random(3), random.Random(7)
 
         async def mate(i: int) -> None:
             await asyncio.sleep(rng.random() * 0.3)
-            conv = engine.conversation([rng.randrange(100, 40000) for _ in range(rng.randrange(60, 260))])
+            conv = engine.conversation([rng.randrange(100, 40000) for _ in range(rng.randrange(*lengths))])
             await conv.stream(max_tokens=rng.randrange(10, 60), ignore_eos=True)
-            if i % 3 == 0:
+            if i % 3 == 0 and not shift:
                 conv.rewind(rng.randrange(5, 30))
                 fork = conv.fork()
                 await fork.stream(max_tokens=20, ignore_eos=True)
                 await fork.aclose()
-            if i % 2 == 0:
+            if i % 2 == 0 or shift:
                 await conv.aclose()
 
-        mates = [asyncio.create_task(mate(i)) for i in range(24 if busy else 0)]
-        conv = engine.conversation([own.randrange(100, 40000) for _ in range(300)])
-        await conv.stream(max_tokens=64, ignore_eos=True, logits_processors=[keep], priority=5,
-                          temperature=0.0)
+        mates = [asyncio.create_task(mate(i)) for i in range(n_mates if busy else 0)]
+        conv = engine.conversation([own.randrange(100, 40000) for _ in range(prompt)])
+        options = dict(context_shift=True, n_keep=16) if shift else {}
+        await conv.stream(max_tokens=new, ignore_eos=True, logits_processors=[keep], priority=5,
+                          temperature=0.0, **options)
         await asyncio.gather(*mates)
-        return list(conv.tokens[300:]), rows, engine.statistics()
+        return list(conv.tokens[-new // 2:]), rows, engine.statistics()
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("shift", [False, True], ids=["freed", "shifted"])
 @pytest.mark.anyio
-async def test_logits_stay_the_same_while_cells_are_freed_around(tiny_path: Path) -> None:
-    alone = await busy_logits(tiny_path, False, threads=1)
-    tokens, rows, stats = await busy_logits(tiny_path, True)
-    assert stats.preemptions > 0 and stats.restores > 0 and stats.evictions > 0 and stats.compactions > 0
+async def test_logits_stay_the_same_while_cells_are_freed_around(tiny_path: Path, shift: bool) -> None:
+    alone = await busy_logits(tiny_path, False, threads=1, shift=shift)
+    tokens, rows, stats = await busy_logits(tiny_path, True, shift=shift)
+    assert stats.preemptions > 0 and stats.compactions > 0
+    if not shift:
+        assert stats.restores > 0 and stats.evictions > 0
     assert tokens == alone[0]
-    assert len(rows) == len(alone[1]) == 64 and all(np.array_equal(a, b) for a, b in zip(rows, alone[1]))
+    assert len(rows) == len(alone[1]) == (200 if shift else 64)
+    assert all(np.array_equal(a, b) for a, b in zip(rows, alone[1]))
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
