@@ -8,6 +8,7 @@ FIFO queue, so a conversation's commands take effect in the order its caller iss
 from __future__ import annotations
 
 import enum
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -18,6 +19,9 @@ from aiollama._validate import MAX_SEQ, integer
 from aiollama.errors import InvalidRequestError
 from aiollama.sampling import MAX_DRAFT_TOKENS, SamplingParams
 
+
+# a draft model's drafts, unless draft_tokens says otherwise
+DRAFT_MODEL_TOKENS = 8
 
 # llama.cpp reserves an output row of n_vocab floats per seq id; the default spends this much on them.
 OUTPUT_ROWS_BYTES = 64 * 2**20
@@ -44,6 +48,8 @@ class EngineConfig:
     the first ``n_keep`` tokens and drops the older half of the rest. Streams may choose otherwise.
     ``draft_tokens`` > 0 turns on n-gram speculation: decode steps carry drafts of up to that many
     tokens taken from the conversation's own history (0: off; streams may choose otherwise).
+    ``draft_model`` is a smaller model with the same vocabulary whose greedy guesses replace the
+    n-gram drafts (``draft_tokens`` then defaults to ``DRAFT_MODEL_TOKENS``).
     ``deterministic`` makes each conversation's logits independent of what runs beside it (see the
     README's numerics section for what is and is not promised): ggml-cpu's reference kernels, flash
     attention, no repacked weights; CPU only.
@@ -62,6 +68,7 @@ class EngineConfig:
     context_shift: bool = False
     n_keep: int = 0
     draft_tokens: int = 0
+    draft_model: Path | None = None
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -86,6 +93,14 @@ class EngineConfig:
             raise InvalidRequestError("deterministic mode runs on the CPU: give n_gpu_layers=0")
         if self.model_path is not None:
             object.__setattr__(self, "model_path", Path(self.model_path))
+        if self.draft_model is not None:
+            if not isinstance(self.draft_model, (str, os.PathLike)):
+                raise InvalidRequestError(f"draft_model must be a path, got {self.draft_model!r}")
+            object.__setattr__(self, "draft_model", Path(self.draft_model))
+            if self.draft_tokens == 0:
+                object.__setattr__(self, "draft_tokens", DRAFT_MODEL_TOKENS)
+            if self.deterministic:
+                raise InvalidRequestError("deterministic mode does not draft: give no draft_model")
 
     def context_seq_ids(self, n_vocab: int) -> int:
         """The seq ids of the context: ``n_seq_max`` generating, the rest holding cached prefixes."""

@@ -71,7 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(args.model, model_name=args.model_name, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max,
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                      host_cache_bytes=args.host_cache_mib << 20, draft_tokens=args.draft_tokens,
-                     deterministic=args.deterministic)
+                     draft_model=args.draft_model, deterministic=args.deterministic)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
 
@@ -92,6 +92,8 @@ def _serve_replicas(args: argparse.Namespace) -> int:
     options = {"n_ctx": args.n_ctx, "max_queued": args.max_queued, "n_gpu_layers": args.n_gpu_layers,
                "host_cache_bytes": args.host_cache_mib << 20, "draft_tokens": args.draft_tokens,
                "deterministic": args.deterministic}
+    if args.draft_model is not None:
+        options["draft_model"] = args.draft_model
     if args.threads is not None:
         options["n_threads"] = args.threads
     gpus = {"num_gpus": 1} if args.n_gpu_layers != 0 else {}
@@ -154,7 +156,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--n-gpu-layers", type=int, default=EngineConfig.n_gpu_layers,
                        help="layers to offload (-1: all)")
     serve.add_argument("--draft-tokens", type=int, default=EngineConfig.draft_tokens,
-                       help="n-gram speculation: draft up to this many tokens a step (0: off)")
+                       help="speculation: draft up to this many tokens a step (0: off, or the engine's "
+                            "default with --draft-model)")
+    serve.add_argument("--draft-model", default=None,
+                       help="a smaller GGUF model with the same vocabulary that drafts instead of n-grams")
     serve.add_argument("--deterministic", action="store_true",
                        help="each conversation's output independent of what runs beside it (CPU only)")
     serve.add_argument("--replicas", type=int, default=1,

@@ -75,7 +75,7 @@ class EngineCore:
         self.scheduler = Scheduler(n_ctx=executor.n_ctx, n_seq_max=executor.n_seq_max, n_batch=executor.n_batch,
                                    step_tokens=config.step_tokens, max_running=config.n_seq_max,
                                    host_bytes=config.host_cache_bytes, can_shift=executor.can_shift,
-                                   ordered=config.deterministic)
+                                   ordered=config.deterministic, draft_model=config.draft_model is not None)
         self.outbox = Outbox()
         self.generations = Generations(admission, self.outbox, executor.n_ctx)
         self.prefilling: frozenset[int] = frozenset()  # a cancel of these aborts the running decode

@@ -22,6 +22,7 @@ import numpy as np
 from aiollama._validate import MAX_SEQ
 from aiollama.boundary import EngineConfig
 from aiollama.constraints import Masks
+from aiollama.drafter import Drafter
 from aiollama.embedder import Embedder, is_embedding_model
 from aiollama.errors import DecodeError, InvalidRequestError, LogitsProcessorError, StateRestoreError, UnsupportedModel
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus, sample_rows
@@ -170,6 +171,12 @@ class NativeExecutor:
                     n_threads=config.n_threads, kv_unified=True, flash_attn=True if config.deterministic else None,
                     reference_kernels=config.deterministic))
                 self.batch = stack.enter_context(Batch(self.ctx.n_batch))
+            self._drafter: Drafter | None = None
+            if config.draft_model is not None and not self.embeds_only:
+                self._drafter = Drafter(config.draft_model, self.model.vocab, n_ctx=config.n_ctx,
+                                        n_batch=self.ctx.n_batch, n_seq_max=self.ctx.n_seq_max,
+                                        n_threads=config.n_threads, n_gpu_layers=config.n_gpu_layers)
+                stack.callback(self._drafter.close)
             self._handles = stack.pop_all()
         self._threads = config.n_threads
         self.wakes = True  # the consumers' loops are woken as the decode starts, without the GIL
@@ -208,12 +215,16 @@ class NativeExecutor:
         parked, restored = self._apply(plan.ops)
         if not plan.slices:
             return StepResult(StepStatus.OK, parked=parked, restored=restored)
+        slices: Sequence[Slice] = plan.slices
+        drafted: dict[int, int] = {}
+        if self._drafter is not None and any(s.model_draft for s in slices):
+            slices, drafted = self._model_drafts(self._drafter, slices)
         batch = self.batch
         batch.clear()
         outputs: list[tuple[int, int]] = []
         drafts: list[tuple[int, Slice]] = []  # (index in outputs, slice)
         self._rows.clear()
-        for s in plan.slices:
+        for s in slices:
             last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits, n_outputs=s.draft + s.logits)
             if s.logits:
                 if s.conv not in self._samplers:
@@ -241,7 +252,7 @@ class NativeExecutor:
                 chosen = self._verify(chosen, outputs, drafts, failed)
             sampled = tuple(x for got in chosen for x in got)
             return StepResult(StepStatus.OK, sampled, decode_seconds=elapsed, parked=parked, restored=restored,
-                              failed=failed)
+                              failed=failed, drafted=drafted)
         if status is DecodeStatus.NO_KV_SLOT:
             return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, parked=parked, restored=restored)
         # ABORTED and failures keep the ubatches computed before them: say what the context holds
@@ -249,6 +260,17 @@ class NativeExecutor:
         kind = StepStatus.ABORTED if status is DecodeStatus.ABORTED else StepStatus.FAILED
         return StepResult(kind, n_cached=n_cached, decode_seconds=elapsed, detail=f"llama_decode: {status.name}",
                           parked=parked, restored=restored)
+
+    @staticmethod
+    def _model_drafts(drafter: Drafter, slices: Sequence[Slice]) -> tuple[tuple[Slice, ...], dict[int, int]]:
+        """The slices with the draft model's tokens after their pending one, where it was asked
+        for; and how many each got, by conversation."""
+        asked = [s for s in slices if s.model_draft]
+        got = drafter.draft([(s.seq_id, s.history[:s.pos + 1], s.model_draft) for s in asked])
+        tokens = {s.conv: d for s, d in zip(asked, got) if d}
+        out = tuple(Slice(s.conv, s.seq_id, s.pos, s.tokens + tokens[s.conv], True, len(tokens[s.conv]))
+                    if s.conv in tokens else s for s in slices)
+        return out, {conv: len(d) for conv, d in tokens.items()}
 
     def _decode(self, batch: Batch) -> DecodeStatus:
         wake, self._wake = self._wake, ()

@@ -73,12 +73,14 @@ class Scheduler:
     ``n_seq_max`` is how many seq ids the context has (holders of cached prefixes included);
     ``max_running`` how many sequences may generate at once (default: all of them). ``ordered``
     keeps each sequence's cells in position order (the deterministic mode; see
-    :mod:`aiollama.kvcache`).
+    :mod:`aiollama.kvcache`). ``draft_model``: drafting streams leave their drafts to the
+    executor's draft model (the slice says how many tokens it may add) instead of n-grams.
     """
 
     def __init__(self, *, n_ctx: int, n_seq_max: int, n_batch: int, step_tokens: int,
                  max_running: int | None = None, host_bytes: int = 0, can_shift: bool = True,
-                 ordered: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 ordered: bool = False, draft_model: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.n_ctx = n_ctx
@@ -86,6 +88,7 @@ class Scheduler:
         self.step_tokens = min(step_tokens, n_batch)
         self.max_running = min(max_running or n_seq_max, n_seq_max)
         self.can_shift = can_shift  # the memory can move positions (seq_add)
+        self.draft_model = draft_model  # drafts come from the executor's draft model, not n-grams
         self.kv = KVManager(n_ctx, n_seq_max, HostCache(host_bytes), ordered=ordered)
         self.preemptions = 0
         self.cache_hit_tokens = 0  # tokens an admission did not have to evaluate
@@ -232,7 +235,7 @@ class Scheduler:
         slices = self._fit(self._slices())
         if self._pairs:
             slices = self._lockstep(slices)
-        self.kv.room(sum(len(s.tokens) for s in slices))
+        self.kv.room(sum(s.cells for s in slices))
         admitted, self._admitted = tuple(self._admitted), []
         shifted, self._shifted = tuple(self._shifted), []
         return Plan(self.kv.take_ops(), tuple(slices), admitted, shifted)
@@ -256,13 +259,14 @@ class Scheduler:
                 taken[sampled.conv] = taken.get(sampled.conv, 0) + 1
             for s in plan.slices:
                 seq = self._seqs[s.conv]
-                if s.draft:
+                offered = s.draft or result.drafted.get(s.conv, 0)
+                if offered:
                     # the pending token and the draft tokens the sampler took have their cells;
                     # the executor removed the others' (all of them when no token was taken)
                     n = taken.get(s.conv, 1)
                     self.kv.extend(seq, n)
                     if seq.draft is not None:
-                        seq.draft.record(s.draft, n - 1)
+                        seq.draft.record(offered, n - 1)
                 else:
                     self.kv.extend(seq, len(s.tokens))
             return True
@@ -425,8 +429,8 @@ class Scheduler:
         return slices
 
     def _add_drafts(self, slices: list[Slice], drafting: list[int]) -> int:
-        """Extend the decode slices at ``drafting`` with n-gram drafts, within ``MAX_DRAFT_ROWS``
-        rows in all and the context; return the rows added."""
+        """Extend the decode slices at ``drafting`` with n-gram drafts (or room for the draft
+        model's), within ``MAX_DRAFT_ROWS`` rows in all and the context; return the rows added."""
         spare = min(self.n_batch, MAX_DRAFT_ROWS) - len(slices)
         added = 0
         for i in drafting:
@@ -434,6 +438,12 @@ class Scheduler:
             seq = self._seqs[s.conv]
             assert seq.draft is not None
             limit = min(seq.draft.current, spare - added, self.n_ctx - 1 - s.pos)
+            if self.draft_model:
+                if limit > 0:
+                    slices[i] = Slice(s.conv, s.seq_id, s.pos, s.tokens, True, model_draft=limit,
+                                      history=seq.tokens)
+                    added += limit
+                continue
             tokens = speculation.draft(seq.tokens, limit)
             if tokens:
                 slices[i] = Slice(s.conv, s.seq_id, s.pos, s.tokens + tokens, True, len(tokens))
@@ -443,12 +453,13 @@ class Scheduler:
     def _fit(self, slices: list[Slice]) -> list[Slice]:
         """Drop or shrink slices until they fit in the free KV cells, evicting and preempting as needed."""
         def need() -> int:
-            return sum(len(s.tokens) for s in slices)
+            return sum(s.cells for s in slices)
 
-        self.kv.free_cells(need() - sum(s.draft for s in slices))  # drafts never evict anything
+        self.kv.free_cells(need() - sum(s.draft + s.model_draft for s in slices))  # drafts never evict anything
         starved = False
         if need() > self.kv.free:  # drafts go first
-            slices = [Slice(s.conv, s.seq_id, s.pos, s.tokens[:1], True) if s.draft else s for s in slices]
+            slices = [Slice(s.conv, s.seq_id, s.pos, s.tokens[:1], True) if s.draft or s.model_draft else s
+                      for s in slices]
         while need() > self.kv.free:
             prompt_slices = [i for i, s in enumerate(slices) if len(s.tokens) > 1 or not s.logits]
             if not prompt_slices:

@@ -87,8 +87,8 @@ class Slice:
     """Consecutive tokens of one sequence in one step. Only a slice that completes the sequence's
     pending tokens asks for logits (of its last token), to sample the next one.
 
-    With ``draft`` > 0 the last ``draft`` tokens are a speculative draft (see
-    :mod:`aiollama.speculation`): logits come for the pending token and each draft token, the
+    With ``draft`` > 0 the last ``draft`` tokens are a speculative draft (n-gram, see
+    :mod:`aiollama.speculation`; or the draft model's, see :mod:`aiollama.drafter`): logits come for the pending token and each draft token, the
     stream's sampler chooses token after token while it agrees with the draft, and the cells of
     the draft tokens it did not take are removed.
     """
@@ -99,6 +99,16 @@ class Slice:
     tokens: tuple[int, ...]
     logits: bool
     draft: int = 0
+    # With a draft model: the executor drafts up to ``model_draft`` tokens after the pending one
+    # (they become ``draft`` tokens of the slice it decodes) from ``history``, the conversation's
+    # tokens up to the pending one (a view of the scheduler's list, valid during the step)
+    model_draft: int = 0
+    history: Sequence[int] = field(default=(), compare=False, repr=False)
+
+    @property
+    def cells(self) -> int:
+        """The cells this slice may take: its tokens and the draft the executor may add."""
+        return len(self.tokens) + self.model_draft
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,7 @@ class StepResult:
     parked: Mapping[int, bytes] = field(default_factory=dict)  # Park key -> the state copied out
     restored: Mapping[int, bool] = field(default_factory=dict)  # Restore seq id -> whether it fit
     failed: Mapping[int, BaseException] = field(default_factory=dict)  # conv -> why its row gave no token
+    drafted: Mapping[int, int] = field(default_factory=dict)  # conv -> tokens the draft model offered
 
 
 @dataclass(frozen=True)
