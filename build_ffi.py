@@ -271,6 +271,8 @@ struct llama_sampler * llama_sampler_clone(const struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);
 uint32_t llama_sampler_get_seed(const struct llama_sampler * smpl);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+bool llama_set_sampler(struct llama_context * ctx, llama_seq_id seq_id, struct llama_sampler * smpl);
+llama_token llama_get_sampled_token_ith(struct llama_context * ctx, int32_t i);
 struct llama_sampler * llama_sampler_init_greedy(void);
 struct llama_sampler * llama_sampler_init_dist(uint32_t seed);
 struct llama_sampler * llama_sampler_init_top_k(int32_t k);
@@ -480,7 +482,8 @@ static llama_token aiollama_sample_one(struct llama_sampler * chain, const float
 }
 
 /* One decode's sampling in one call: chains[i] chooses (and accepts) a token from output row
-   rows[i]; top_k[i] as above (NULL: 0 for every row). The rows' logits are located here first, on
+   rows[i]; top_k[i] as above (NULL: 0 for every row). A row a backend sampler already chose (the
+   chain is attached to its sequence, see llama_set_sampler) is only read. The rows' logits are located here first, on
    this thread (which synchronizes the context and applies any reordering of its outputs); after
    that the work only reads the context, and the chains are distinct objects, so the rows are
    shared out over the threads the decode used and has just left idle. Without OpenMP they run in
@@ -499,13 +502,22 @@ static void aiollama_sample_rows(struct llama_context * ctx, struct llama_sample
         return;
     }
     for (int32_t i = 0; i < n; ++i) {
+        /* a row a backend sampler chose in the graph: the chain takes (and accepts) that token */
+        if (llama_get_sampled_token_ith(ctx, rows[i]) != LLAMA_TOKEN_NULL) {
+            out[i] = llama_sampler_sample(chains[i], ctx, rows[i]);
+            logits[i] = NULL;
+            continue;
+        }
+        out[i] = -2;
         logits[i] = llama_get_logits_ith(ctx, rows[i]);
     }
 #if defined(_OPENMP)
     #pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1 && n >= 4)
 #endif
     for (int32_t i = 0; i < n; ++i) {
-        out[i] = logits[i] == NULL ? -1 : aiollama_sample_one(chains[i], logits[i], n_vocab, top_k ? top_k[i] : 0);
+        if (out[i] == -2) {
+            out[i] = logits[i] == NULL ? -1 : aiollama_sample_one(chains[i], logits[i], n_vocab, top_k ? top_k[i] : 0);
+        }
     }
     free((void *) logits);
     (void) n_threads;

@@ -50,6 +50,10 @@ class EngineConfig:
     tokens taken from the conversation's own history (0: off; streams may choose otherwise).
     ``draft_model`` is a smaller model with the same vocabulary whose greedy guesses replace the
     n-gram drafts (``draft_tokens`` then defaults to ``DRAFT_MODEL_TOKENS``).
+    ``backend_sampling`` runs each stream's sampler chain inside the decode graph where the chain
+    allows it (greedy, top-k/p, min-p, temperature, penalties, logit bias; no log-probabilities,
+    logits processors, guidance, constraints or drafts): no logits row is read. It pays where rows
+    are costly to move (a GPU); each change of a sequence's stream rebuilds the graph.
     ``deterministic`` makes each conversation's logits independent of what runs beside it (see the
     README's numerics section for what is and is not promised): ggml-cpu's reference kernels, flash
     attention, no repacked weights; CPU only.
@@ -70,6 +74,7 @@ class EngineConfig:
     draft_tokens: int = 0
     draft_model: Path | None = None
     deterministic: bool = False
+    backend_sampling: bool = False
 
     def __post_init__(self) -> None:
         integer("n_ctx", self.n_ctx, low=1)
@@ -89,6 +94,8 @@ class EngineConfig:
             raise InvalidRequestError(f"context_shift must be a bool, got {self.context_shift!r}")
         if not isinstance(self.deterministic, bool):
             raise InvalidRequestError(f"deterministic must be a bool, got {self.deterministic!r}")
+        if not isinstance(self.backend_sampling, bool):
+            raise InvalidRequestError(f"backend_sampling must be a bool, got {self.backend_sampling!r}")
         if self.deterministic and self.n_gpu_layers != 0:
             raise InvalidRequestError("deterministic mode runs on the CPU: give n_gpu_layers=0")
         if self.model_path is not None:

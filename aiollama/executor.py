@@ -28,7 +28,7 @@ from aiollama.errors import DecodeError, InvalidRequestError, LogitsProcessorErr
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus, sample_rows
 from aiollama.native.binding import lib
 from aiollama.native import seqstate
-from aiollama.native.sampler import DEFAULT_SEED
+from aiollama.native.sampler import DEFAULT_SEED, attach
 from aiollama.outbox import wake_fds
 from aiollama.sampling import LogitsProcessor, SamplingParams
 from aiollama.step import (Compact, Copy, Op, Park, Plan, Relay, Remove, Restore, Sampled, Shift, Slice, StepResult,
@@ -93,6 +93,7 @@ class _Sampler:
     history: list[int] | None = None  # kept only for processors
     guide: int | None = None  # the conversation whose row guides this one's
     scale: float = 1.0
+    in_graph: bool = False  # the chain was attached for backend sampling once (it cannot be again)
 
     @property
     def reads_row(self) -> bool:
@@ -190,6 +191,9 @@ class NativeExecutor:
         self._samplers: dict[int, _Sampler] = {}
         self._masks: Masks | None = None
         self._rows: dict[int, int] = {}  # conv -> the logits row of a guiding sequence in this step
+        # backend sampling: seq id -> the conversation whose chain runs in the decode graph for it
+        self._backend = config.backend_sampling and not self.embeds_only
+        self._attached: dict[int, int] = {}
         self._tombstone: int | None = None
         if config.deterministic and not self.embeds_only:
             self.n_seq_max -= 1
@@ -209,7 +213,44 @@ class NativeExecutor:
     def stop_sampling(self, conv: int) -> None:
         sampler = self._samplers.pop(conv, None)
         if sampler is not None:
+            self._detach(conv)
             sampler.chain.close()
+
+    def _detach(self, conv: int, *, keep: bool = False) -> None:
+        """Take ``conv``'s chain out of the graph. With ``keep`` (the stream goes on), a chain that
+        was in a graph is replaced by a copy, state and all: llama.cpp sets a chain up for the graph
+        once, and such a chain no longer samples from logits."""
+        for seq_id in [i for i, c in self._attached.items() if c == conv]:
+            attach(self.ctx, seq_id, None)
+            del self._attached[seq_id]
+        sampler = self._samplers.get(conv)
+        if keep and sampler is not None and sampler.in_graph:
+            old, sampler.chain = sampler.chain, sampler.chain.clone()
+            old.close()
+            sampler.in_graph = False
+
+    def _attach(self, slices: Sequence[Slice]) -> None:
+        """Backend sampling: each row to sample gets its stream's chain in the graph when the chain
+        can run there and nothing needs the row itself (log-probabilities, processors, guidance, a
+        constraint) and it has one output (no draft); otherwise the row is sampled from its logits.
+        Chains move only when a sequence's stream changes (each move rebuilds the graph)."""
+        for s in slices:
+            if not s.logits:
+                continue
+            sampler = self._samplers.get(s.conv)
+            eligible = sampler is not None and not s.draft and not sampler.reads_row and sampler.chain.backend_capable
+            have = self._attached.get(s.seq_id)
+            if eligible and have == s.conv:
+                continue
+            if have is not None:  # another stream's chain (it was preempted), or this one's leaving
+                self._detach(have, keep=True)
+            if sampler is not None and sampler.in_graph:  # this stream's chain, in the graph elsewhere or before
+                self._detach(s.conv, keep=True)
+            if eligible:
+                assert sampler is not None
+                sampler.in_graph = True
+                if attach(self.ctx, s.seq_id, sampler.chain):
+                    self._attached[s.seq_id] = s.conv
 
     def execute(self, plan: Plan) -> StepResult:
         parked, restored = self._apply(plan.ops)
@@ -219,6 +260,8 @@ class NativeExecutor:
         drafted: dict[int, int] = {}
         if self._drafter is not None and any(s.model_draft for s in slices):
             slices, drafted = self._model_drafts(self._drafter, slices)
+        if self._backend:
+            self._attach(slices)
         batch = self.batch
         batch.clear()
         outputs: list[tuple[int, int]] = []
@@ -456,6 +499,9 @@ class NativeExecutor:
         self.ctx.request_abort()
 
     def close(self) -> None:
+        for seq_id in list(self._attached):
+            attach(self.ctx, seq_id, None)
+        self._attached.clear()
         for sampler in self._samplers.values():
             sampler.chain.close()
         self._samplers.clear()

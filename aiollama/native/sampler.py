@@ -18,6 +18,9 @@ from aiollama.native.handle import Handle
 from aiollama.native.model import Vocab
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
+# The samplers llama.cpp can run inside the decode graph (backend sampling). Its penalties can too,
+# but two runs of one seeded chain with penalties in the graph chose different tokens: not used.
+BACKEND_SAMPLERS = frozenset({"greedy", "dist", "top_k", "top_p", "min_p", "temp", "logit_bias"})
 
 
 def _unit(name: str, value: object) -> float:
@@ -76,6 +79,11 @@ class SamplerChain(Handle):
         if not self.names and k > 0:
             self._first_k = k
         return self._add("top_k", lib.llama_sampler_init_top_k(k))
+
+    @property
+    def backend_capable(self) -> bool:
+        """Every sampler of the chain can run inside the decode graph (see :func:`attach`)."""
+        return bool(self.names) and all(name in BACKEND_SAMPLERS for name in self.names)
 
     @property
     def fast_k(self) -> int:
@@ -174,6 +182,17 @@ class SamplerChain(Handle):
 
 
 FAST_K_MAX = 256  # beyond it, building the whole row and sorting it is no slower
+
+
+def attach(ctx: Context, seq_id: int, chain: SamplerChain | None) -> bool:
+    """Backend sampling: ``chain`` chooses ``seq_id``'s tokens inside ``ctx``'s decode graph from
+    the next decode on (None: back to choosing from the logits). The chain must stay open while
+    attached; :func:`sample_rows` then takes its token (and accepts it). Each change makes the next
+    decode build its graph anew. True when the chain runs in the graph; a sequence may give only
+    one output per decode while it does. Raises InvalidRequestError for a chain that cannot."""
+    if chain is not None and not chain.backend_capable:
+        raise InvalidRequestError(f"these samplers cannot run in the decode graph: {chain.names}")
+    return bool(lib.llama_set_sampler(ctx._get(), ctx._check_seq(seq_id), ffi.NULL if chain is None else chain._get()))
 
 
 def sample_rows(ctx: Context, chains: Sequence[SamplerChain], rows: Sequence[int], threads: int = 1,
