@@ -317,6 +317,9 @@ HELPERS = r"""
 
 #include <pthread.h>
 #include <stdlib.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <unistd.h>
 
 #include "llama.h"
@@ -403,24 +406,67 @@ static int32_t aiollama_decode_wake(struct llama_context * ctx, llama_batch batc
     return llama_decode(ctx, batch);
 }
 
+/* The largest of 64 logits (with SSE2 four at a time), or NaN where the block holds one that
+   could hide a larger value: the caller then looks at each. */
+#define AIOLLAMA_BLOCK 64
+static inline float aiollama_block_max(const float * x) {
+#if defined(__SSE2__)
+    /* maxps gives its second operand when either is NaN: a NaN read later is dropped (it never
+       enters a top-k), one in the first loads stays and makes the result NaN */
+    __m128 a = _mm_loadu_ps(x), b = _mm_loadu_ps(x + 4), c = _mm_loadu_ps(x + 8), d = _mm_loadu_ps(x + 12);
+    for (int i = 16; i < AIOLLAMA_BLOCK; i += 16) {
+        a = _mm_max_ps(_mm_loadu_ps(x + i), a);
+        b = _mm_max_ps(_mm_loadu_ps(x + i + 4), b);
+        c = _mm_max_ps(_mm_loadu_ps(x + i + 8), c);
+        d = _mm_max_ps(_mm_loadu_ps(x + i + 12), d);
+    }
+    float v[16];
+    _mm_storeu_ps(v, a);
+    _mm_storeu_ps(v + 4, b);
+    _mm_storeu_ps(v + 8, c);
+    _mm_storeu_ps(v + 12, d);
+#else
+    const float * v = x;
+    const int n = AIOLLAMA_BLOCK;
+#endif
+    float m = v[0];
+#if defined(__SSE2__)
+    const int n = 16;
+#endif
+    for (int i = 0; i < n; ++i) {
+        if (v[i] != v[i]) {
+            return v[i];
+        }
+        m = v[i] > m ? v[i] : m;
+    }
+    return m;
+}
+
 /* The K largest logits of a row, largest first (ties: lower id first), into out[0..K): the
    candidates a chain that starts with top-k (or greedy, K = 1) keeps anyway, found without
-   building and sorting an array of the whole vocabulary. */
+   building and sorting an array of the whole vocabulary. Once K are held, a block of 64 whose
+   largest is not above the K-th is passed over whole (none of it could enter). */
 static int32_t aiollama_top_k(const float * logits, int32_t n_vocab, int32_t k, llama_token_data * out) {
     int32_t m = 0;
-    for (int32_t id = 0; id < n_vocab; ++id) {
-        const float x = logits[id];
-        if (m == k && !(x > out[k - 1].logit)) {
+    for (int32_t start = 0; start < n_vocab; start += AIOLLAMA_BLOCK) {
+        const int32_t end = start + AIOLLAMA_BLOCK <= n_vocab ? start + AIOLLAMA_BLOCK : n_vocab;
+        if (m == k && end - start == AIOLLAMA_BLOCK && aiollama_block_max(logits + start) <= out[k - 1].logit) {
             continue;
         }
-        int32_t j = m < k ? m++ : k - 1;
-        while (j > 0 && out[j - 1].logit < x) {
-            out[j] = out[j - 1];
-            --j;
+        for (int32_t id = start; id < end; ++id) {
+            const float x = logits[id];
+            if (m == k && !(x > out[k - 1].logit)) {
+                continue;
+            }
+            int32_t j = m < k ? m++ : k - 1;
+            while (j > 0 && out[j - 1].logit < x) {
+                out[j] = out[j - 1];
+                --j;
+            }
+            out[j].id = id;
+            out[j].logit = x;
+            out[j].p = 0.0f;
         }
-        out[j].id = id;
-        out[j].logit = x;
-        out[j].p = 0.0f;
     }
     return m;
 }

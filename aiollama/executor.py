@@ -191,6 +191,7 @@ class NativeExecutor:
         self._samplers: dict[int, _Sampler] = {}
         self._masks: Masks | None = None
         self._rows: dict[int, int] = {}  # conv -> the logits row of a guiding sequence in this step
+        self._tokens: dict[int, tuple[bytes, bool]] = {}  # token -> (piece, is end of generation)
         # backend sampling: seq id -> the conversation whose chain runs in the decode graph for it
         self._backend = config.backend_sampling and not self.embeds_only
         self._attached: dict[int, int] = {}
@@ -493,7 +494,10 @@ class NativeExecutor:
         if read is not None and sampler.top_logprobs >= 0:
             logits, lse, found = read
             logprob, top = float(logits[token]) - lse, tuple(found)  # a token the mask allowed kept its logit
-        return Sampled(conv, token, self.vocab.token_to_piece(token), self.vocab.is_eog(token), final, logprob, top)
+        known = self._tokens.get(token)
+        if known is None:  # a token's piece and end-of-generation flag, asked of llama.cpp once
+            known = self._tokens[token] = (self.vocab.token_to_piece(token), self.vocab.is_eog(token))
+        return Sampled(conv, token, known[0], known[1], final, logprob, top)
 
     def request_abort(self) -> None:
         self.ctx.request_abort()

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from aiollama.errors import (
@@ -209,6 +210,38 @@ def test_sampler_clone_keeps_state(ctx: Context, batch: Batch) -> None:
             a = [chain.sample(ctx, last) for _ in range(5)]
             b = [twin.sample(ctx, last) for _ in range(5)]
     assert a == b
+
+
+def test_the_fast_path_keeps_the_top_k_of_any_row(tiny: Model) -> None:
+    """Rows that defeat skipping blocks of logits (rising values, ties, NaNs before a larger value
+    in a block, -inf) give what building the whole row gives. (Among more than k tied logits the
+    two paths keep different ones: llama.cpp's top-k does not order ties; only greedy is compared.)"""
+    n = tiny.vocab.n_tokens
+    rng = np.random.default_rng(0)
+    rising = np.arange(n, dtype=np.float32)
+    ties = np.zeros(n, dtype=np.float32)
+    nans = rng.standard_normal(n).astype(np.float32)
+    nans[::64] = np.nan  # the first of every block
+    nans[1::64] = 50.0 + np.arange(len(nans[1::64]), dtype=np.float32)  # larger than all before, after a NaN
+    nans[70] = np.nan
+    sparse = np.full(n, -np.inf, dtype=np.float32)
+    sparse[rng.choice(n, 50, replace=False)] = rng.standard_normal(50).astype(np.float32)
+    with Context(tiny, n_ctx=64, n_batch=64) as ctx, Batch(64) as b:
+        last = b.add_tokens(tiny.vocab.tokenize("Once upon a time"), 0, 0, output_last=True)
+        assert ctx.decode(b) is DecodeStatus.OK
+        row = np.frombuffer(ctx.logits_buffer(last), dtype=np.float32)
+        for values in (rising, ties, nans, sparse):
+            row[:] = values
+            for k in (1,) if values is ties else (1, 40):
+                picks = []
+                for fast in (False, True):
+                    with SamplerChain(tiny.vocab) as chain:
+                        if k == 1:
+                            chain.add_greedy()
+                        else:
+                            chain.add_top_k(k).add_temp(0.7).add_dist(seed=3)
+                        picks.append(sample_rows(ctx, [chain], [last], 1, [chain.fast_k] if fast else None))
+                assert picks[0] == picks[1]
 
 
 def test_sample_rows_equals_each_row_alone(tiny: Model) -> None:
