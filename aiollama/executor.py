@@ -26,12 +26,13 @@ from aiollama.drafter import Drafter
 from aiollama.embedder import Embedder, is_embedding_model
 from aiollama.errors import DecodeError, InvalidRequestError, LogitsProcessorError, StateRestoreError, UnsupportedModel
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus, sample_rows
-from aiollama.native.binding import lib
 from aiollama.native import seqstate
+from aiollama.native.binding import lib
 from aiollama.native.sampler import DEFAULT_SEED, attach
+from aiollama.ordered import OrderedCells
 from aiollama.outbox import wake_fds
 from aiollama.sampling import LogitsProcessor, SamplingParams
-from aiollama.step import (Compact, Copy, Op, Park, Plan, Relay, Remove, Restore, Sampled, Shift, Slice, StepResult,
+from aiollama.step import (Compact, Copy, Op, Park, Plan, Remove, Restore, Sampled, Shift, Slice, StepResult,
                            StepStatus, Tokenizer)
 from aiollama.tokenizer import VocabTokenizer
 
@@ -161,9 +162,8 @@ class NativeExecutor:
                 self.ctx, self.batch = self._embedder.ctx, self._embedder.batch
             else:
                 # deterministic: every row computed by the same kernels whatever the batch holds,
-                # and attention summed cell by cell (flash attention's reference path), so each
-                # sequence's cells are kept in position order: freed cells go to a tombstone
-                # sequence, the last seq id, until the cache is re-laid (see KVManager)
+                # and attention summed cell by cell (flash attention's reference path), each
+                # sequence's cells in position order (aiollama.ordered: one more seq id)
                 ids = config.context_seq_ids(self.model.vocab.n_tokens)
                 if config.deterministic:
                     ids = min(ids, MAX_SEQ - 1) + 1
@@ -195,11 +195,15 @@ class NativeExecutor:
         # backend sampling: seq id -> the conversation whose chain runs in the decode graph for it
         self._backend = config.backend_sampling and not self.embeds_only
         self._attached: dict[int, int] = {}
-        self._tombstone: int | None = None
+        self._order: OrderedCells | None = None
         if config.deterministic and not self.embeds_only:
             self.n_seq_max -= 1
-            self._tombstone = self.n_seq_max
-            self._check_state_layout(model_path)
+            self._order = OrderedCells(self.ctx, self.n_seq_max)
+            try:
+                self._order.check(self.model, self.batch)
+            except UnsupportedModel:
+                self.close()
+                raise
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
                        matcher: Any = None, guidance: tuple[int, float] | None = None) -> None:
@@ -336,48 +340,13 @@ class NativeExecutor:
             elif isinstance(op, Restore):
                 restored[op.seq_id] = self.write_state(op.seq_id, op.data)
             elif isinstance(op, Compact):
-                self._compact(op.relays)
+                assert self._order is not None
+                self._order.compact(op.relays)
         return parked, restored
 
-    def _compact(self, relays: Sequence[Relay]) -> None:
-        """Save every sequence, empty the cache, and put each back in order: with a donor, share
-        its first positions and restore only the rest, so prefixes stay shared."""
-        saved = [self.ctx.seq_state(r.seq_id) for r in relays]
-        self.ctx.memory_clear()
-        for relay, data in zip(relays, saved):
-            part = seqstate.ordered(data, relay.shared) if data else b""
-            if part:
-                try:
-                    self.ctx.set_seq_state(relay.seq_id, part)
-                except StateRestoreError as exc:
-                    raise DecodeError(f"re-laying the cache: {exc}") from exc
-            if relay.donor is not None:
-                self.ctx.seq_cp(relay.donor, relay.seq_id, 0, relay.shared)
-
-    def _check_state_layout(self, model_path: Path) -> None:
-        """Deterministic mode re-lays the cache from saved states: their layout must be one it
-        reads (a plain KV cache), and no window may reuse a sequence's old cells."""
-        if self.model.n_swa > 0:
-            self.close()
-            raise UnsupportedModel(f"{model_path.name} cannot run in deterministic mode: its sliding window "
-                                   f"({self.model.n_swa} tokens) reuses a sequence's old cells, out of position order")
-        try:
-            self.batch.clear()
-            self.batch.add_tokens((0,), 0, 0)
-            if self.ctx.decode(self.batch) is not DecodeStatus.OK:
-                raise DecodeError("the first decode failed")
-            seqstate.layout(self.ctx.seq_state(0))
-        except (seqstate.StateFormatError, DecodeError) as exc:
-            self.close()
-            raise UnsupportedModel(f"{model_path.name} cannot run in deterministic mode: its KV cache cannot be "
-                                   f"kept in position order ({exc})") from exc
-        finally:
-            self.batch.clear()
-        self.ctx.memory_clear()
-
     def _remove(self, seq_id: int, p0: int, p1: int) -> None:
-        if self._tombstone is not None:  # the cells stay held, out of the way: see KVManager
-            self.ctx.seq_cp(seq_id, self._tombstone, p0, p1)
+        if self._order is not None:
+            self._order.hold(seq_id, p0, p1)
         if not self.ctx.seq_rm(seq_id, p0, p1):
             raise DecodeError(f"llama.cpp could not remove positions {p0}..{p1} of sequence {seq_id}")
 
@@ -393,7 +362,7 @@ class NativeExecutor:
         if self.embeds_only:
             return False
         try:
-            if self._tombstone is not None:
+            if self._order is not None:
                 data = seqstate.ordered(data)  # a state saved elsewhere may hold its cells out of order
                 if not data:
                     return False

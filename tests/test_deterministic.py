@@ -22,9 +22,9 @@ import pytest
 
 import aiollama
 from aiollama import Engine, EngineConfig, InvalidRequestError
-from aiollama.executor import NativeExecutor
 from aiollama.kvcache import KVManager
 from aiollama.native import Batch, Context, DecodeStatus, Model, seqstate
+from aiollama.ordered import OrderedCells
 from helpers import gather
 from tiny_model import quantized_model
 
@@ -288,11 +288,11 @@ async def test_without_re_laying_freed_cells_change_the_logits(tiny_path: Path,
         kwargs["ordered"] = False
         init(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    def no_tombstone(self: NativeExecutor, model_path: Path) -> None:
-        self._tombstone = None
+    def no_tombstone(self: OrderedCells, seq_id: int, p0: int, p1: int) -> None:
+        pass
 
     monkeypatch.setattr(KVManager, "__init__", unordered)
-    monkeypatch.setattr(NativeExecutor, "_check_state_layout", no_tombstone)
+    monkeypatch.setattr(OrderedCells, "hold", no_tombstone)
     alone = await busy_logits(tiny_path, False, threads=1)
     _, rows, stats = await busy_logits(tiny_path, True)
     assert stats.compactions == 0

@@ -31,7 +31,7 @@ LAYERS: dict[str, int] = {
     "aiollama.tokenizer": 7, "aiollama.executor": 8,
     # the decode thread, which sees llama.cpp only through the Executor interface
     "aiollama.engine_core": 7, "aiollama.decode_loop": 8, "aiollama.embedder": 7,
-    "aiollama.drafter": 7,
+    "aiollama.drafter": 7, "aiollama.ordered": 7,
     # the callers' side
     "aiollama.portal": 7, "aiollama.stream": 8, "aiollama.client": 9, "aiollama.chat_turns": 10,
     "aiollama.conversation": 11, "aiollama.engine": 12,
@@ -43,9 +43,10 @@ PURE = {"aiollama.sampling", "aiollama.text", "aiollama.step", "aiollama.kvcache
         "aiollama.hostcache", "aiollama.savefile", "aiollama.kvtree", "aiollama.constraints", "aiollama.toolcalls",
         "aiollama.reasoning", "aiollama.speculation"}
 NO_EVENT_LOOP = PURE | {"aiollama.engine_core", "aiollama.decode_loop", "aiollama.executor", "aiollama.embedder",
-                        "aiollama.drafter", "aiollama.tokenizer", "aiollama.native",
+                        "aiollama.drafter", "aiollama.ordered", "aiollama.tokenizer", "aiollama.native",
                         "aiollama.errors", "aiollama._validate"}
-NATIVE_USERS = {"aiollama.native", "aiollama.tokenizer", "aiollama.executor", "aiollama.embedder", "aiollama.drafter"}
+NATIVE_USERS = {"aiollama.native", "aiollama.tokenizer", "aiollama.executor", "aiollama.embedder", "aiollama.drafter",
+                "aiollama.ordered"}
 SERVICES = {"aiollama.live", "aiollama.server", "aiollama.ray", "aiollama.cli", "aiollama.__main__"}
 PUBLIC = {"aiollama", "aiollama.errors", "aiollama.models", "aiollama.sampling", "aiollama.toolcalls",
           "aiollama.reasoning"}
