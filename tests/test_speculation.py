@@ -49,8 +49,13 @@ def test_draft_length_adapts() -> None:
     length.record(2, 2)
     assert length.current == 4
     length.record(4, 1)
-    assert length.current == 4
-    assert (length.drafted, length.accepted) == (26, 11)
+    assert length.current == 3  # what was taken and two more
+    length.record(3, 3)
+    length.record(6, 5)
+    assert length.current == 7
+    length.record(7, 7)
+    assert length.current == 8  # never past the limit
+    assert (length.drafted, length.accepted) == (42, 26)
 
 
 # the engine, against a fake model that copies its history
