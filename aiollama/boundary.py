@@ -56,7 +56,7 @@ class EngineConfig:
     are costly to move (a GPU); each change of a sequence's stream rebuilds the graph.
     ``deterministic`` makes each conversation's logits independent of what runs beside it (see the
     README's numerics section for what is and is not promised): ggml-cpu's reference kernels, flash
-    attention, no repacked weights; CPU only.
+    attention, no repacked weights, each sequence's cells in position order; CPU only.
     """
 
     model_path: Path | None = None
@@ -106,8 +106,6 @@ class EngineConfig:
             object.__setattr__(self, "draft_model", Path(self.draft_model))
             if self.draft_tokens == 0:
                 object.__setattr__(self, "draft_tokens", DRAFT_MODEL_TOKENS)
-            if self.deterministic:
-                raise InvalidRequestError("deterministic mode does not draft: give no draft_model")
 
     def context_seq_ids(self, n_vocab: int) -> int:
         """The seq ids of the context: ``n_seq_max`` generating, the rest holding cached prefixes."""

@@ -188,9 +188,7 @@ class EngineCore:
             shifts = shifts and guide is None  # the two histories stay in step
             n_keep = self.config.n_keep if params.n_keep is None else params.n_keep
             draft = self.config.draft_tokens if params.draft_tokens is None else params.draft_tokens
-            if command.matcher is not None or self.config.deterministic:
-                # a constraint's mask needs the tokens before it: one row at a time; and rejected
-                # drafts leave free cells that later tokens may take, out of position order
+            if command.matcher is not None:  # a constraint's mask needs the tokens before it: one row at a time
                 draft = 0
             self.executor.start_sampling(conv, params, self.scheduler.get(conv).tokens, command.matcher,
                                          guidance=None if guide is None else (guide, command.guidance_scale))

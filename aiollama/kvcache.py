@@ -300,6 +300,11 @@ class KVManager:
         if self.ordered:
             self.holes += used - self.cells.used
 
+    def dropped(self, n: int) -> None:
+        """The executor removed ``n`` cells this manager never counted (a draft's rejected tokens)."""
+        if self.ordered:
+            self.holes += n
+
     def room(self, needed: int) -> None:
         """Ordered: make sure the context has ``needed`` free cells above every held one, re-laying
         the cache when the holes are in the way. (``free_cells`` decides what is evicted; this

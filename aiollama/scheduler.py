@@ -265,6 +265,7 @@ class Scheduler:
                     # the executor removed the others' (all of them when no token was taken)
                     n = taken.get(s.conv, 1)
                     self.kv.extend(seq, n)
+                    self.kv.dropped(offered - (n - 1))
                     if seq.draft is not None:
                         seq.draft.record(offered, n - 1)
                 else:

@@ -228,11 +228,12 @@ def test_a_state_is_put_in_position_order_and_cut(tiny_path: Path) -> None:
         seqstate.ordered(good[:-3])
 
 
-async def busy_logits(model: Path, busy: bool, threads: int = 2, *,
-                      shift: bool = False) -> tuple[list[int], list[np.ndarray], aiollama.Statistics]:
+async def busy_logits(model: Path, busy: bool, threads: int = 2, *, shift: bool = False,
+                      draft: int = 0) -> tuple[list[int], list[np.ndarray], aiollama.Statistics]:
     """A low-priority conversation's last tokens and logits rows in a small cache, alone or among
     others that come and go: evicted, preempted (it is the first to go), parked and restored,
-    rewound, forked and closed. With ``shift`` it outgrows the context and shifts, among short ones."""
+    rewound, forked and closed. With ``shift`` it outgrows the context and shifts, among short ones;
+    with ``draft`` it drafts (n-gram) up to that many tokens a step, and must have taken some."""
     rows: list[np.ndarray] = []
 
     def keep(tokens: tuple[int, ...], logits: np.ndarray) -> None:
@@ -258,18 +259,19 @@ async def busy_logits(model: Path, busy: bool, threads: int = 2, *,
         mates = [asyncio.create_task(mate(i)) for i in range(n_mates if busy else 0)]
         conv = engine.conversation([own.randrange(100, 40000) for _ in range(prompt)])
         options = dict(context_shift=True, n_keep=16) if shift else {}
-        await conv.stream(max_tokens=new, ignore_eos=True, logits_processors=[keep], priority=5,
-                          temperature=0.0, **options)
+        out = await conv.stream(max_tokens=new, ignore_eos=True, logits_processors=[keep], priority=5,
+                                temperature=0.0, draft_tokens=draft, **options)
+        assert out.stats.accepted > 0 if draft else out.stats.drafted == 0
         await asyncio.gather(*mates)
         return list(conv.tokens[-new // 2:]), rows, engine.statistics()
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.parametrize("shift", [False, True], ids=["freed", "shifted"])
+@pytest.mark.parametrize(("shift", "draft"), [(False, 0), (True, 0), (False, 6)], ids=["freed", "shifted", "drafts"])
 @pytest.mark.anyio
-async def test_logits_stay_the_same_while_cells_are_freed_around(tiny_path: Path, shift: bool) -> None:
+async def test_logits_stay_the_same_while_cells_are_freed_around(tiny_path: Path, shift: bool, draft: int) -> None:
     alone = await busy_logits(tiny_path, False, threads=1, shift=shift)
-    tokens, rows, stats = await busy_logits(tiny_path, True, shift=shift)
+    tokens, rows, stats = await busy_logits(tiny_path, True, shift=shift, draft=draft)
     assert stats.preemptions > 0 and stats.compactions > 0
     if not shift:
         assert stats.restores > 0 and stats.evictions > 0

@@ -103,7 +103,5 @@ async def test_a_draft_model_of_another_vocabulary_is_refused(tiny_path: Path) -
 def test_draft_model_settings() -> None:
     assert EngineConfig(draft_model="x.gguf").draft_tokens == DRAFT_MODEL_TOKENS
     assert EngineConfig(draft_model="x.gguf", draft_tokens=3).draft_tokens == 3
-    with pytest.raises(InvalidRequestError, match="deterministic"):
-        EngineConfig(draft_model="x.gguf", deterministic=True)
     with pytest.raises(InvalidRequestError, match="draft_model"):
         EngineConfig(draft_model=5)  # type: ignore[arg-type]

@@ -326,3 +326,17 @@ def test_unordered_cells_are_freed_at_once() -> None:
     assert h.sched.kv.holes == 0 and h.kv.tombstones == 0
     h.sched.kv.room(60)
     assert h.sched.kv.compactions == 0
+
+
+def test_ordered_cells_count_the_draft_tokens_the_executor_removed() -> None:
+    sched = Scheduler(n_ctx=64, n_seq_max=2, n_batch=64, step_tokens=64, ordered=True)
+    sched.add(1, [1, 2, 3, 4, 5, 6, 1, 2, 3])
+    sched.submit(1, draft=4)
+    plan = sched.schedule()  # the prompt
+    sched.update(plan, StepResult(StepStatus.OK, (Sampled(1, 4, b"", False),)))
+    plan = sched.schedule()  # the pending 4, and a draft from the history: 5, 6, 1, 2
+    (s,) = plan.slices
+    assert s.tokens[1:] == (5, 6, 1, 2) and s.draft == 4
+    # one draft token taken, then another token chosen: the executor removed 3 draft cells
+    sched.update(plan, StepResult(StepStatus.OK, (Sampled(1, 5, b"", False), Sampled(1, 9, b"", False))))
+    assert sched.kv.holes == 3 and sched.get(1).n_cached == 11
