@@ -19,7 +19,7 @@ from aiollama.native.model import Vocab
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
 # The samplers llama.cpp can run inside the decode graph (backend sampling). Its penalties can too,
-# but two runs of one seeded chain with penalties in the graph chose different tokens: not used.
+# but two runs of one greedy chain with penalties in the graph chose different tokens: not used.
 BACKEND_SAMPLERS = frozenset({"greedy", "dist", "top_k", "top_p", "min_p", "temp", "logit_bias"})
 
 
