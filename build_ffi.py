@@ -420,24 +420,22 @@ static inline float aiollama_block_max(const float * x) {
         c = _mm_max_ps(_mm_loadu_ps(x + i + 8), c);
         d = _mm_max_ps(_mm_loadu_ps(x + i + 12), d);
     }
-    float v[16];
-    _mm_storeu_ps(v, a);
-    _mm_storeu_ps(v + 4, b);
-    _mm_storeu_ps(v + 8, c);
-    _mm_storeu_ps(v + 12, d);
+    float lanes[16];
+    _mm_storeu_ps(lanes, a);
+    _mm_storeu_ps(lanes + 4, b);
+    _mm_storeu_ps(lanes + 8, c);
+    _mm_storeu_ps(lanes + 12, d);
+    const int n = 16;
 #else
-    const float * v = x;
+    const float * lanes = x;
     const int n = AIOLLAMA_BLOCK;
 #endif
-    float m = v[0];
-#if defined(__SSE2__)
-    const int n = 16;
-#endif
+    float m = lanes[0];
     for (int i = 0; i < n; ++i) {
-        if (v[i] != v[i]) {
-            return v[i];
+        if (lanes[i] != lanes[i]) {
+            return lanes[i];
         }
-        m = v[i] > m ? v[i] : m;
+        m = lanes[i] > m ? lanes[i] : m;
     }
     return m;
 }

@@ -314,7 +314,7 @@ class NativeExecutor:
         """The slices with the draft model's tokens after their pending one, where it was asked
         for; and how many each got, by conversation."""
         asked = [s for s in slices if s.model_draft]
-        got = drafter.draft([(s.seq_id, s.history[:s.pos + 1], s.model_draft) for s in asked])
+        got = drafter.draft([(s.seq_id, s.history, s.model_draft) for s in asked])  # pending token last
         tokens = {s.conv: d for s, d in zip(asked, got) if d}
         out = tuple(Slice(s.conv, s.seq_id, s.pos, s.tokens + tokens[s.conv], True, len(tokens[s.conv]))
                     if s.conv in tokens else s for s in slices)

@@ -157,10 +157,7 @@ class KVManager:
     def drop(self, seq: SeqState) -> None:
         """Release a holder's cells and seq id."""
         if seq.seq_id is not None:
-            self._ops.append(Remove(seq.seq_id))
-            used = self.cells.used
-            self.cells.release(seq.kv)
-            self._released(used)
+            self._remove_all(seq)
             del self._holders[seq.seq_id]
             self.n_entries -= seq.entry
             self._free_ids.append(seq.seq_id)
@@ -170,6 +167,14 @@ class KVManager:
         seq.restoring = False
 
     # cells
+
+    def _remove_all(self, seq: SeqState) -> None:
+        """``seq`` gives back every cell it holds (the tail it shares with none becomes free)."""
+        assert seq.seq_id is not None
+        self._ops.append(Remove(seq.seq_id))
+        used = self.cells.used
+        self.cells.release(seq.kv)
+        self._released(used)
 
     def truncate(self, seq: SeqState, keep: int) -> None:
         """Keep only the first ``keep`` cached positions of ``seq``."""
@@ -183,10 +188,7 @@ class KVManager:
         """``seq`` drops what it holds and shares ``donor``'s first ``n`` positions instead."""
         assert seq.seq_id is not None and donor.seq_id is not None
         if seq.kv is not None:
-            self._ops.append(Remove(seq.seq_id))
-            used = self.cells.used
-            self.cells.release(seq.kv)
-            self._released(used)
+            self._remove_all(seq)
             self._set_tail(seq, None)
         self._ops.append(Copy(donor.seq_id, seq.seq_id, n))
         self._set_tail(seq, self.cells.share(donor.kv, n))

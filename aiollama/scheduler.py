@@ -235,7 +235,8 @@ class Scheduler:
         slices = self._fit(self._slices())
         if self._pairs:
             slices = self._lockstep(slices)
-        self.kv.room(sum(s.cells for s in slices))
+        if self.kv.holes:  # ordered cells only: never summed on the common path
+            self.kv.room(sum(s.cells for s in slices))
         admitted, self._admitted = tuple(self._admitted), []
         shifted, self._shifted = tuple(self._shifted), []
         return Plan(self.kv.take_ops(), tuple(slices), admitted, shifted)

@@ -88,9 +88,9 @@ class Slice:
     pending tokens asks for logits (of its last token), to sample the next one.
 
     With ``draft`` > 0 the last ``draft`` tokens are a speculative draft (n-gram, see
-    :mod:`aiollama.speculation`; or the draft model's, see :mod:`aiollama.drafter`): logits come for the pending token and each draft token, the
-    stream's sampler chooses token after token while it agrees with the draft, and the cells of
-    the draft tokens it did not take are removed.
+    :mod:`aiollama.speculation`; or the draft model's, see :mod:`aiollama.drafter`): logits come
+    for the pending token and each draft token, the stream's sampler chooses token after token
+    while it agrees with the draft, and the cells of the draft tokens it did not take are removed.
     """
 
     conv: int
@@ -101,7 +101,7 @@ class Slice:
     draft: int = 0
     # With a draft model: the executor drafts up to ``model_draft`` tokens after the pending one
     # (they become ``draft`` tokens of the slice it decodes) from ``history``, the conversation's
-    # tokens up to the pending one (a view of the scheduler's list, valid during the step)
+    # tokens ending with the pending one (the scheduler's own list, not copied: valid during the step)
     model_draft: int = 0
     history: Sequence[int] = field(default=(), compare=False, repr=False)
 
