@@ -97,7 +97,8 @@ class EngineCore:
             self.generations.shifted(conv, keep, n)
         if plan.slices:
             self.prefilling = plan.prefilling
-            self.publish()  # admissions show while a long decode runs
+            if plan.admitted or self.prefilling:
+                self.publish()  # admissions and prompts show while a long decode runs
         unwoken = self.outbox.take_unwoken()  # held until written to: a pipe closes with its portal
         if plan.slices and self.executor.wakes:
             plan = dataclasses.replace(plan, wake=tuple(p.wake_fd for p in unwoken if p.wake_fd is not None))
@@ -108,7 +109,7 @@ class EngineCore:
         self.prefilling = frozenset()
         progressed = self.scheduler.update(plan, result)
         if plan.slices:
-            self._count(plan, result, started)
+            self._count(plan, result)
         if result.status is StepStatus.OK:
             self._no_slot_streak = 0
             for conv, past_end in self.generations.update(result, self.scheduler).items():
@@ -124,8 +125,16 @@ class EngineCore:
                 raise DecodeError("llama.cpp keeps finding no KV slot and nothing can be freed")
         elif result.status is StepStatus.FAILED:
             raise DecodeError(result.detail)
+        # The whole step counts, delivery included: up to here in the numbers published now, the
+        # publishing and the hop in the next ones.
+        counted = time.perf_counter()
+        if plan.slices:
+            self._counters.step_seconds += counted - started
+            self._step_counts[bisect.bisect_left(STEP_BUCKETS, counted - started)] += 1
         self.publish()  # before the hop, so that a woken consumer sees this step's numbers
         self.flush()
+        if plan.slices:
+            self._counters.step_seconds += time.perf_counter() - counted
 
     def handle(self, command: Command) -> None:
         """Apply a caller's command (between steps)."""
@@ -291,7 +300,7 @@ class EngineCore:
             self.outbox.discard(portal)
             self.publish()
 
-    def _count(self, plan: Plan, result: StepResult, started: float) -> None:
+    def _count(self, plan: Plan, result: StepResult) -> None:
         c, status, n_cached = self._counters, result.status, result.n_cached
         c.decode_steps += 1
         c.decode_seconds += result.decode_seconds
@@ -301,9 +310,6 @@ class EngineCore:
             c.tokens_generated += len(result.sampled)
         else:  # what an interrupted decode computed before it stopped stays in the cache
             c.tokens_evaluated += sum(max(0, n_cached.get(s.conv, s.pos) - s.pos) for s in plan.slices)
-        elapsed = time.perf_counter() - started
-        c.step_seconds += elapsed
-        self._step_counts[bisect.bisect_left(STEP_BUCKETS, elapsed)] += 1
 
     def publish(self) -> None:
         c, kv, sched = self._counters, self.scheduler.kv, self.scheduler

@@ -24,6 +24,7 @@ from aiollama.errors import WrongEventLoop
 # A trio run leaves its token behind when it ends; forget the portals of old runs now and then
 # (a process rarely runs many trio loops, and a forgotten portal is only a small object).
 MAX_TRIO_PORTALS = 64
+WAKE_READ = 4096  # bytes read from a wake pipe at a time (a step writes one)
 
 
 class _WakePipe:
@@ -48,8 +49,8 @@ class _WakePipe:
     def run_posted(self) -> None:
         """On the loop: empty the pipe, then run everything posted, in order."""
         try:
-            while os.read(self._read, 4096):
-                pass
+            while len(os.read(self._read, WAKE_READ)) == WAKE_READ:
+                pass  # a short read emptied it: no second system call to learn so
         except BlockingIOError:
             pass
         while self._items:
@@ -172,26 +173,43 @@ class AsyncSink:
     """A stream's inbox on its event loop; ``deliver`` runs on that loop.
 
     ``on_item`` sees every item as it arrives, whether or not anyone reads the stream (the
-    conversation keeps its history with it).
+    conversation keeps its history with it). On asyncio a waiting reader waits on a plain future
+    (a step wakes every stream, so this is the consumer's hot path); on trio on an event.
     """
 
     def __init__(self, portal: Portal, on_item: Callable[[Item], None] | None = None) -> None:
         self.portal = portal
         self._on_item = on_item
         self._items: deque[Item] = deque()
-        self._event = anyio.Event()
+        self._asyncio = isinstance(portal, AsyncioPortal)
+        # the readers waiting: a future each on asyncio (one reader's cancellation cancels its
+        # own), or one anyio event on trio
+        self._futures: list[asyncio.Future[None]] = []
+        self._event: anyio.Event | None = None
 
     def deliver(self, item: Item) -> None:
         if self._on_item is not None:
             self._on_item(item)
         self._items.append(item)
-        self._event.set()
+        if self._futures:
+            futures, self._futures = self._futures, []
+            for future in futures:
+                if not future.done():  # a cancelled reader's future is done
+                    future.set_result(None)
+        elif self._event is not None:
+            self._event.set()
+            self._event = None
 
     async def get(self) -> Item:
         while not self._items:
-            if self._event.is_set():
-                self._event = anyio.Event()
-            await self._event.wait()
+            if self._asyncio:
+                future = asyncio.get_running_loop().create_future()
+                self._futures.append(future)
+                await future
+            else:
+                if self._event is None:
+                    self._event = anyio.Event()
+                await self._event.wait()
         return self._items.popleft()
 
 

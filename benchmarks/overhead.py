@@ -7,8 +7,14 @@
    statistics, with the consumers reading their streams on the event loop meanwhile (they share
    the GIL with the decode thread). Fitted as ``a + b x streams`` over 1 to 64 streams.
 2. A real model: the time outside ``llama_decode`` per step with SmolLM2 (and the fast random
-   model of ``benchmarks/run.py``), from the engine's own step timers; this adds sampling (the
-   chains, shared out over the decode's threads) to part 1.
+   model of ``benchmarks/run.py``), from the engine's own step timers (a step's time includes the
+   delivery and statistics after its sampling); this adds sampling (the chains, shared out over
+   the decode's threads) to part 1. Beside each level, the event loop's CPU time per step (the
+   consumers' side, on the thread that runs this script): on a machine whose cores all decode, it
+   is taken from the decode.
+3. After a decode: the same rows sampled right after ``llama_decode`` and again at once. On a CPU
+   a decode streams the weights through the caches, so the first call finds none of its code and
+   data there; the difference is what every step's Python and sampling pay on top of part 1.
 
 Results go to benchmarks/results/<date>-<machine>-<cpus>cpu-overhead.{json,md}.
 """
@@ -19,6 +25,7 @@ import argparse
 import datetime
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +39,9 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import aiollama  # noqa: E402
 import fast_model  # noqa: E402
 from aiollama.boundary import EngineConfig  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
+from aiollama.executor import build_chain  # noqa: E402
+from aiollama.native import Batch, Context, Model, available_cpus  # noqa: E402
+from aiollama.native.sampler import sample_rows  # noqa: E402
 from aiollama.sampling import SamplingParams  # noqa: E402
 from aiollama.step import Plan, Sampled, StepResult, StepStatus  # noqa: E402
 from common import machine, prompts, save_results  # noqa: E402
@@ -82,25 +91,28 @@ class NullExecutor:
 
 
 async def per_step_us(engine: aiollama.Engine, batch: list[list[int]]) -> dict[str, float]:
-    """Microseconds per step (whole step, and outside llama_decode) with these streams running."""
+    """Microseconds per step with these streams running: the decode thread's whole step and its time
+    outside llama_decode; and the CPU time the event loop spent per step delivering and reading
+    (this thread runs it)."""
     async def read(stream: aiollama.Stream) -> None:
         async for _ in stream:
             pass
 
     await engine.clear_cache()  # earlier runs' prefixes would be evicted (parked) during this one
-    before = engine.statistics()
+    before, loop_cpu = engine.statistics(), time.thread_time()
     convs = [engine.conversation(p) for p in batch]
     streams = [c.stream(max_tokens=TOKENS, temperature=0.7, seed=1, ignore_eos=True) for c in convs]  # all at once
     async with anyio.create_task_group() as tg:
         for stream in streams:
             tg.start_soon(read, stream)
-    after = engine.statistics()
+    after, loop_cpu = engine.statistics(), time.thread_time() - loop_cpu
     for conv in convs:
         await conv.aclose()
     steps = after.decode_steps - before.decode_steps
     step = after.step_seconds - before.step_seconds
     outside = step - (after.decode_seconds - before.decode_seconds)
-    return {"steps": steps, "step_us": 1e6 * step / steps, "outside_us": 1e6 * outside / steps}
+    return {"steps": steps, "step_us": 1e6 * step / steps, "outside_us": 1e6 * outside / steps,
+            "loop_cpu_us": 1e6 * loop_cpu / steps}
 
 
 def fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
@@ -134,20 +146,61 @@ async def with_model(model: Path, threads: int, rounds: int) -> dict[str, Any]:
     return {"model": model.name, "levels": rows, "per_step_us": a, "per_stream_us": b}
 
 
+def after_decode(model: Path, threads: int, steps: int = 64) -> dict[str, Any]:
+    """Microseconds to sample 1 and 8 rows right after a decode, and the same call repeated."""
+    rows: dict[str, Any] = {}
+    with Model(model) as m, Context(m, n_ctx=2048, n_batch=512, n_seq_max=8, n_threads=threads) as ctx:
+        batch = Batch(512, 8)
+        for i, p in enumerate(prompts(8, 64, m.vocab.n_tokens, seed=3)):
+            batch.add_tokens(p, 0, i, output_last=True)
+        ctx.decode(batch)
+        for n in (1, 8):
+            chains = [build_chain(m.vocab, SamplingParams(temperature=0.7, seed=i), []) for i in range(n)]
+            ks = [c.fast_k for c in chains]
+            first = again = 0.0
+            for step in range(steps):
+                batch.clear()
+                for i in range(n):
+                    batch.add(300 + step, 64 + step, i, output=True)
+                ctx.decode(batch)
+                out = sorted(ctx.outputs)
+                t0 = time.perf_counter()
+                sample_rows(ctx, chains, out, threads, ks)
+                t1 = time.perf_counter()
+                sample_rows(ctx, chains, out, threads, ks)
+                first, again = first + t1 - t0, again + time.perf_counter() - t1
+            for i in range(n):
+                ctx.seq_rm(i, 64, -1)
+            for c in chains:
+                c.close()
+            rows[str(n)] = {"after_decode_us": 1e6 * first / steps, "again_us": 1e6 * again / steps}
+    return {"model": model.name, "levels": rows}
+
+
 def markdown(r: dict[str, Any]) -> str:
     e = r["engine_alone"]
     out = [f"Measured {r['date']} on {r['machine']['cpu']} ({r['machine']['cpus']} CPUs); {TOKENS} tokens a "
            f"stream, best of {r['rounds']} runs per level.", "",
            "**The engine alone** (no model: the decode thread's planning, finish rules, delivery and "
            "statistics, with the consumers reading on the event loop):", "",
-           "| streams | steps | µs per step |", "|---:|---:|---:|"]
-    out += [f"| {n} | {row['steps']} | {row['outside_us']:.0f} |" for n, row in e["levels"].items()]
+           "| streams | steps | µs per step | event loop CPU per step (µs) |", "|---:|---:|---:|---:|"]
+    out += [f"| {n} | {row['steps']} | {row['outside_us']:.0f} | {row['loop_cpu_us']:.0f} |"
+            for n, row in e["levels"].items()]
     out += ["", f"Fit: **{e['per_step_us']:.0f} µs per step + {e['per_stream_us']:.1f} µs per stream**.", ""]
     for m in r["models"]:
         out += [f"**{m['model']}**, {r['threads']} threads: time outside `llama_decode` per step (sampling "
-                "included)", "", "| streams | step (µs) | outside llama_decode (µs) |", "|---:|---:|---:|"]
-        out += [f"| {n} | {row['step_us']:.0f} | {row['outside_us']:.0f} |" for n, row in m["levels"].items()]
+                "included; the event loop's CPU time beside it)", "",
+                "| streams | step (µs) | outside llama_decode (µs) | event loop CPU per step (µs) |",
+                "|---:|---:|---:|---:|"]
+        out += [f"| {n} | {row['step_us']:.0f} | {row['outside_us']:.0f} | {row['loop_cpu_us']:.0f} |"
+                for n, row in m["levels"].items()]
         out += ["", f"Fit: {m['per_step_us']:.0f} µs per step + {m['per_stream_us']:.1f} µs per stream.", ""]
+    out += ["**Sampling right after a decode** (the default chain, `sample_rows`, µs per call): the same "
+            "call repeated at once finds its code and data in the caches", "",
+            "| model | rows | right after `llama_decode` | repeated |", "|---|---:|---:|---:|"]
+    for m in r["after_decode"]:
+        out += [f"| {m['model']} | {n} | {row['after_decode_us']:.1f} | {row['again_us']:.1f} |"
+                for n, row in m["levels"].items()]
     return "\n".join(out)
 
 
@@ -159,6 +212,7 @@ async def main(args: argparse.Namespace) -> int:
     print("engine alone", r["engine_alone"]["per_step_us"], r["engine_alone"]["per_stream_us"], flush=True)
     models = [aiollama.default_model(), fast_model.path()]
     r["models"] = [await with_model(m, threads, args.rounds) for m in models]
+    r["after_decode"] = [after_decode(m, threads) for m in models]
     save_results(r, "overhead", markdown(r))
     return 0
 
