@@ -57,6 +57,11 @@ class EngineConfig:
     ``deterministic`` makes each conversation's logits independent of what runs beside it (see the
     README's numerics section for what is and is not promised): ggml-cpu's reference kernels, flash
     attention, no repacked weights, each sequence's cells in position order; CPU only.
+    ``kv_unified`` False splits the cache: each seq id gets ``n_ctx`` / (its number of ids) cells of
+    its own (``n_seq_max`` ids, plus ``cache_seq_ids``, which then defaults to 0). A step's attention
+    then reads each sequence's own cells instead of passing over everyone's, which is faster with
+    many streams; but a conversation holds at most that many tokens, and a fork or a cached prefix
+    is copied instead of shared. Not with ``deterministic``.
     """
 
     model_path: Path | None = None
@@ -75,6 +80,7 @@ class EngineConfig:
     draft_model: Path | None = None
     deterministic: bool = False
     backend_sampling: bool = False
+    kv_unified: bool = True
 
     def __post_init__(self) -> None:
         integer("n_ctx", self.n_ctx, low=1)
@@ -96,6 +102,10 @@ class EngineConfig:
             raise InvalidRequestError(f"deterministic must be a bool, got {self.deterministic!r}")
         if not isinstance(self.backend_sampling, bool):
             raise InvalidRequestError(f"backend_sampling must be a bool, got {self.backend_sampling!r}")
+        if not isinstance(self.kv_unified, bool):
+            raise InvalidRequestError(f"kv_unified must be a bool, got {self.kv_unified!r}")
+        if self.deterministic and not self.kv_unified:
+            raise InvalidRequestError("deterministic mode keeps its cells in one unified cache: give kv_unified=True")
         if self.deterministic and self.n_gpu_layers != 0:
             raise InvalidRequestError("deterministic mode runs on the CPU: give n_gpu_layers=0")
         if self.model_path is not None:
@@ -110,7 +120,9 @@ class EngineConfig:
     def context_seq_ids(self, n_vocab: int) -> int:
         """The seq ids of the context: ``n_seq_max`` generating, the rest holding cached prefixes."""
         extra = self.cache_seq_ids
-        if extra is None:
+        if extra is None and not self.kv_unified:
+            extra = 0  # every id splits the cache further
+        elif extra is None:
             extra = max(32, OUTPUT_ROWS_BYTES // (4 * max(1, n_vocab)))
         return min(MAX_SEQ, self.n_seq_max + extra)
 

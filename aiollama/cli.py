@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                      host_cache_bytes=args.host_cache_mib << 20, draft_tokens=args.draft_tokens,
                      draft_model=args.draft_model, deterministic=args.deterministic,
-                     backend_sampling=args.backend_sampling)
+                     backend_sampling=args.backend_sampling, kv_unified=not args.split_cache)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
 
@@ -92,7 +92,8 @@ def _serve_replicas(args: argparse.Namespace) -> int:
     serve.start(http_options={"host": args.host, "port": args.port})
     options = {"n_ctx": args.n_ctx, "max_queued": args.max_queued, "n_gpu_layers": args.n_gpu_layers,
                "host_cache_bytes": args.host_cache_mib << 20, "draft_tokens": args.draft_tokens,
-               "deterministic": args.deterministic, "backend_sampling": args.backend_sampling}
+               "deterministic": args.deterministic, "backend_sampling": args.backend_sampling,
+               "kv_unified": not args.split_cache}
     if args.draft_model is not None:
         options["draft_model"] = args.draft_model
     if args.threads is not None:
@@ -163,6 +164,9 @@ def parser() -> argparse.ArgumentParser:
                        help="a smaller GGUF model with the same vocabulary that drafts instead of n-grams")
     serve.add_argument("--backend-sampling", action="store_true",
                        help="sample inside the decode graph where a stream's sampler allows it (pays on a GPU)")
+    serve.add_argument("--split-cache", action="store_true",
+                       help="each sequence its own share of the KV cache (n_ctx / n_seq_max tokens): faster with "
+                            "many streams; forks and cached prefixes are copied, not shared")
     serve.add_argument("--deterministic", action="store_true",
                        help="each conversation's output independent of what runs beside it (CPU only)")
     serve.add_argument("--replicas", type=int, default=1,

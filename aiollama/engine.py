@@ -124,6 +124,8 @@ class _EngineBase:
 
     @property
     def n_ctx(self) -> int:
+        """The tokens one conversation can hold: ``n_ctx`` as given, or its share of a split cache
+        (``kv_unified=False``)."""
         return self._client.n_ctx
 
     @property

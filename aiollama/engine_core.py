@@ -72,7 +72,8 @@ class EngineCore:
         self.executor = executor
         self.config = config
         self.admission = admission
-        self.scheduler = Scheduler(n_ctx=executor.n_ctx, n_seq_max=executor.n_seq_max, n_batch=executor.n_batch,
+        self.scheduler = Scheduler(n_ctx=executor.n_ctx, n_cells=executor.n_cells, n_seq_max=executor.n_seq_max,
+                                   n_batch=executor.n_batch,
                                    step_tokens=config.step_tokens, max_running=config.n_seq_max,
                                    host_bytes=config.host_cache_bytes, can_shift=executor.can_shift,
                                    ordered=config.deterministic, draft_model=config.draft_model is not None)

@@ -169,7 +169,8 @@ class NativeExecutor:
                     ids = min(ids, MAX_SEQ - 1) + 1
                 self.ctx = stack.enter_context(Context(
                     self.model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=ids,
-                    n_threads=config.n_threads, kv_unified=True, flash_attn=True if config.deterministic else None,
+                    n_threads=config.n_threads, kv_unified=config.kv_unified,
+                    flash_attn=True if config.deterministic else None,
                     reference_kernels=config.deterministic))
                 self.batch = stack.enter_context(Batch(self.ctx.n_batch))
             self._drafter: Drafter | None = None
@@ -185,7 +186,9 @@ class NativeExecutor:
         self._gpu_decodes = config.n_gpu_layers != 0 and bool(lib.llama_supports_gpu_offload())
         self.vocab = self.model.vocab
         self.tokenizer: Tokenizer = VocabTokenizer(self.vocab)
-        self.n_ctx, self.n_seq_max, self.n_batch = self.ctx.n_ctx, self.ctx.n_seq_max, self.ctx.n_batch
+        self.n_ctx, self.n_seq_max, self.n_batch = self.ctx.n_ctx_seq, self.ctx.n_seq_max, self.ctx.n_batch
+        # a split cache: each seq id's cells are its own, n_ctx_seq of them
+        self.n_cells = self.ctx.n_ctx if self.ctx.kv_unified else self.ctx.n_ctx_seq * self.n_seq_max
         self.can_shift = self.ctx.can_shift
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model)
         self._samplers: dict[int, _Sampler] = {}
@@ -331,7 +334,11 @@ class NativeExecutor:
             if isinstance(op, Remove):
                 self._remove(op.seq_id, op.p0, -1)
             elif isinstance(op, Copy):
-                self.ctx.seq_cp(op.src, op.dst, 0, op.n)
+                if self.ctx.kv_unified:
+                    self.ctx.seq_cp(op.src, op.dst, 0, op.n)
+                else:  # across caches llama.cpp copies a whole sequence: cut the copy after n
+                    self.ctx.seq_cp(op.src, op.dst)
+                    self._remove(op.dst, op.n, -1)
             elif isinstance(op, Shift):
                 self._remove(op.seq_id, op.p0, op.p0 + op.n)
                 self.ctx.seq_add(op.seq_id, op.p0 + op.n, -1, -op.n)
@@ -362,6 +369,9 @@ class NativeExecutor:
         if self.embeds_only:
             return False
         try:
+            # a state saved from a cache of another layout (unified, or split in another number of
+            # seq ids) names another number of streams
+            data = seqstate.restream(data, 1 if self.ctx.kv_unified else self.ctx.n_seq_max)
             if self._order is not None:
                 data = seqstate.ordered(data)  # a state saved elsewhere may hold its cells out of order
                 if not data:

@@ -44,7 +44,7 @@ MAX_KEYS = 100_000  # affinity entries a router remembers (least recently used g
 ENGINE_OPTIONS = {"n_ctx": int, "n_seq_max": int, "n_batch": int, "step_tokens": int, "n_threads": int,
                   "n_gpu_layers": int, "max_queued": int, "host_cache_bytes": int, "draft_tokens": int,
                   "deterministic": bool, "context_shift": bool, "draft_model": str,
-                  "backend_sampling": bool}
+                  "backend_sampling": bool, "kv_unified": bool}
 
 
 @dataclass

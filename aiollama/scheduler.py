@@ -77,7 +77,7 @@ class Scheduler:
     executor's draft model (the slice says how many tokens it may add) instead of n-grams.
     """
 
-    def __init__(self, *, n_ctx: int, n_seq_max: int, n_batch: int, step_tokens: int,
+    def __init__(self, *, n_ctx: int, n_seq_max: int, n_batch: int, step_tokens: int, n_cells: int | None = None,
                  max_running: int | None = None, host_bytes: int = 0, can_shift: bool = True,
                  ordered: bool = False, draft_model: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -89,7 +89,8 @@ class Scheduler:
         self.max_running = min(max_running or n_seq_max, n_seq_max)
         self.can_shift = can_shift  # the memory can move positions (seq_add)
         self.draft_model = draft_model  # drafts come from the executor's draft model, not n-grams
-        self.kv = KVManager(n_ctx, n_seq_max, HostCache(host_bytes), ordered=ordered)
+        # n_ctx: what one sequence can hold; n_cells: the cells of all (n_ctx in a unified cache)
+        self.kv = KVManager(n_cells or n_ctx, n_seq_max, HostCache(host_bytes), ordered=ordered)
         self.preemptions = 0
         self.cache_hit_tokens = 0  # tokens an admission did not have to evaluate
         self._seqs: dict[int, SeqState] = {}

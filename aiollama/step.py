@@ -234,7 +234,8 @@ class Executor(Protocol):
     next one) stops early with ``ABORTED``; the request is cleared when ``execute`` returns.
     """
 
-    n_ctx: int
+    n_ctx: int  # the tokens one conversation can hold
+    n_cells: int  # the KV cells of all seq ids together (n_ctx in a unified cache)
     n_seq_max: int
     n_batch: int
     tokenizer: Tokenizer

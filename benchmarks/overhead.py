@@ -60,6 +60,7 @@ class NullExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.tokenizer = ByteTokenizer()
         self.n_ctx, self.n_batch = config.n_ctx, config.n_batch
+        self.n_cells = config.n_ctx
         self.n_seq_max = config.context_seq_ids(self.tokenizer.n_vocab)
         self.fingerprint = {"model": "null"}
         self._piece = self.tokenizer.piece(97)

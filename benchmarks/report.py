@@ -14,6 +14,18 @@ def _f(x: Any, digits: int = 1) -> str:
     return f"{x:.{digits}f}"
 
 
+def _contenders_table(section: dict[str, Any]) -> list[str]:
+    rows = ["| streams | aiollama decode | batched-bench S_TG | llama-server decode | aiollama / S_TG | aiollama / server |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for n in section["levels"]:
+        a = section["aiollama"].get(str(n), {}).get("decode_tps")
+        b = section["batched_bench"].get(str(n), {}).get("s_tg")
+        sv = section["llama_server"].get(str(n), {}).get("decode_tps")
+        rows.append(f"| {n} | {_f(a)} | {_f(b)} | {_f(sv)} | {_f(a / b if a and b else None, 2)} "
+                    f"| {_f(a / sv if a and sv else None, 2)} |")
+    return rows
+
+
 def markdown(r: dict[str, Any]) -> str:
     t = r["targets"]
     lines = [
@@ -83,16 +95,9 @@ def markdown(r: dict[str, Any]) -> str:
             f"**6. A fast model** (random weights, width {shape['n_embd']}, {shape['n_layer']} layers, SmolLM2's "
             "vocabulary: short steps, where per-step overhead shows as on a GPU; same prompts and tokens as 1)",
             "",
-            "| streams | aiollama decode | batched-bench S_TG | llama-server decode | aiollama / S_TG | aiollama / server |",
-            "|---:|---:|---:|---:|---:|---:|",
+            *_contenders_table(fast),
+            "",
         ]
-        for n in fast["levels"]:
-            a = fast["aiollama"].get(str(n), {}).get("decode_tps")
-            b = fast["batched_bench"].get(str(n), {}).get("s_tg")
-            sv = fast["llama_server"].get(str(n), {}).get("decode_tps")
-            lines.append(f"| {n} | {_f(a)} | {_f(b)} | {_f(sv)} | {_f(a / b if a and b else None, 2)} "
-                         f"| {_f(a / sv if a and sv else None, 2)} |")
-        lines.append("")
     spec = r.get("speculation")
     if spec:
         lines += [
@@ -113,6 +118,15 @@ def markdown(r: dict[str, Any]) -> str:
                 f"{drafted['decode_steps']} | {'yes' if a['identical'] else 'no'} | {_f(s_['none']['decode_tps'])} "
                 f"| {_f(s_['ngram']['decode_tps'])} | {_f(s_['ngram']['decode_tps'] / s_['none']['decode_tps'], 2)}× |")
         lines.append("")
+    for section in r.get("split", []):
+        lines += [
+            f"**8. A split cache, {section['model']}** (each stream its share of the KV cache: aiollama "
+            "`kv_unified=False`, batched-bench and llama-server without `-kvu`, the server's default; same "
+            "prompts and tokens as 1)",
+            "",
+            *_contenders_table(section),
+            "",
+        ]
     lines += [
         "**Targets**",
         "",

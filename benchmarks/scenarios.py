@@ -18,9 +18,10 @@ PROMPT_TOKENS = 64
 NEW_TOKENS = 128
 
 
-def engine(model: Path, threads: int, *, n_seq_max: int, n_ctx: int, step_tokens: int = 256) -> aiollama.Engine:
+def engine(model: Path, threads: int, *, n_seq_max: int, n_ctx: int, step_tokens: int = 256,
+           unified: bool = True) -> aiollama.Engine:
     return aiollama.Engine(model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=512, n_threads=threads,
-                           step_tokens=step_tokens, max_queued=4096)
+                           step_tokens=step_tokens, max_queued=4096, kv_unified=unified)
 
 
 async def _stream(conv: aiollama.Conversation, timing: StreamTiming, n_new: int, seed: int) -> None:
@@ -49,17 +50,20 @@ def _best(runs: list[dict[str, float]], key: str) -> dict[str, float]:
     return max(runs, key=lambda r: r.get(key, 0.0))
 
 
-def batched_bench(binary: Path, model: Path, threads: int, levels: list[int], repeats: int = 1) -> dict[int, dict[str, float]]:
-    """llama-batched-bench's S_TG (and S_PP) for each parallel level, unified KV like aiollama."""
-    runs = [_batched_bench_once(binary, model, threads, levels) for _ in range(repeats)]
+def batched_bench(binary: Path, model: Path, threads: int, levels: list[int], repeats: int = 1,
+                  unified: bool = True) -> dict[int, dict[str, float]]:
+    """llama-batched-bench's S_TG (and S_PP) for each parallel level, with a unified KV cache like
+    aiollama's default (``-kvu``), or a split one."""
+    runs = [_batched_bench_once(binary, model, threads, levels, unified) for _ in range(repeats)]
     return {n: _best([r[n] for r in runs if n in r], "s_tg") for n in levels if any(n in r for r in runs)}
 
 
-def _batched_bench_once(binary: Path, model: Path, threads: int, levels: list[int]) -> dict[int, dict[str, float]]:
+def _batched_bench_once(binary: Path, model: Path, threads: int, levels: list[int],
+                        unified: bool) -> dict[int, dict[str, float]]:
     n_ctx = max(levels) * (PROMPT_TOKENS + NEW_TOKENS) + 256
     cmd = [str(binary), "-m", str(model), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
            "-npp", str(PROMPT_TOKENS), "-ntg", str(NEW_TOKENS), "-npl", ",".join(map(str, levels)),
-           "-t", str(threads), "-tb", str(threads), "-kvu"]
+           "-t", str(threads), "-tb", str(threads), *(["-kvu"] if unified else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows: dict[int, dict[str, float]] = {}
     for line in out.splitlines():
@@ -72,10 +76,10 @@ def _batched_bench_once(binary: Path, model: Path, threads: int, levels: list[in
 
 
 async def throughput_aiollama(model: Path, threads: int, levels: list[int], n_vocab: int,
-                              repeats: int = 1) -> dict[int, dict[str, float]]:
+                              repeats: int = 1, unified: bool = True) -> dict[int, dict[str, float]]:
     results = {}
-    n_ctx = max(levels) * (PROMPT_TOKENS + NEW_TOKENS) + 512
-    async with engine(model, threads, n_seq_max=max(levels), n_ctx=n_ctx) as e:
+    n_ctx = max(levels) * (PROMPT_TOKENS + NEW_TOKENS) + 512  # split: each stream a share of it, and room
+    async with engine(model, threads, n_seq_max=max(levels), n_ctx=n_ctx, unified=unified) as e:
         await aiollama_streams(e, prompts(1, PROMPT_TOKENS, n_vocab, seed=99), 8)  # warm-up
         for n in levels:
             runs = []
@@ -93,11 +97,11 @@ async def throughput_aiollama(model: Path, threads: int, levels: list[int], n_vo
 
 
 async def throughput_server(binary: Path, model: Path, threads: int, levels: list[int], n_vocab: int,
-                            repeats: int = 1) -> dict[int, dict[str, float]]:
+                            repeats: int = 1, unified: bool = True) -> dict[int, dict[str, float]]:
     results = {}
     for n in levels:
         n_ctx = n * (PROMPT_TOKENS + NEW_TOKENS + 64)
-        with LlamaServer(binary, model, n_parallel=n, n_ctx=n_ctx, threads=threads) as server:
+        with LlamaServer(binary, model, n_parallel=n, n_ctx=n_ctx, threads=threads, unified=unified) as server:
             await run_clients(server.url, prompts(1, PROMPT_TOKENS, n_vocab, seed=99), 8)  # warm-up
             runs = [throughput(await run_clients(server.url, prompts(n, PROMPT_TOKENS, n_vocab, seed=n), NEW_TOKENS))
                     for _ in range(repeats)]

@@ -23,18 +23,21 @@ def _free_port() -> int:
 
 
 class LlamaServer:
-    """``llama-server -np N -kvu`` with explicit threads, on 127.0.0.1, for one scenario.
+    """``llama-server -np N -kvu`` with explicit threads, on 127.0.0.1, for one scenario; without
+    ``-kvu`` (the server's default: each slot its share of the cache) when not ``unified``.
 
     Batch sizes stay at the server's defaults (n_batch 2048, n_ubatch 512): the reference as its
     users run it.
     """
 
-    def __init__(self, binary: Path, model: Path, *, n_parallel: int, n_ctx: int, threads: int) -> None:
+    def __init__(self, binary: Path, model: Path, *, n_parallel: int, n_ctx: int, threads: int,
+                 unified: bool = True) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [
             str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-            "-np", str(n_parallel), "-kvu", "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads), "--no-webui", "--log-disable",
+            "-np", str(n_parallel), *(["-kvu"] if unified else []), "-c", str(n_ctx), "-t", str(threads),
+            "-tb", str(threads), "--no-webui", "--log-disable",
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -114,6 +114,7 @@ class FakeExecutor:
     def __init__(self, config: EngineConfig, *, eog_every: int | None = None, fault: Fault | None = None,
                  hold: threading.Event | None = None, period: int | None = None) -> None:
         self.n_ctx, self.n_batch = config.n_ctx, config.n_batch
+        self.n_cells = config.n_ctx
         self.tokenizer = ByteTokenizer()
         self.n_seq_max = config.context_seq_ids(self.tokenizer.n_vocab)  # ids for the prefix cache too
         self.kv = FakeKV(config.n_ctx, self.n_seq_max)

@@ -138,3 +138,36 @@ def ordered(data: bytes, start: int = 0) -> bytes:
             block = buf[sec.offset:sec.offset + sec.rows * sec.width]
             out.append(block.reshape(sec.rows, sec.width)[order].tobytes())
     return b"".join(out)
+
+
+def n_streams(data: bytes) -> int:
+    """How many streams the cache a state was read from had (1: unified; a split cache has one per
+    seq id, all empty but the sequence's own)."""
+    (n,), _ = _read("<I", data, HEADER)
+    return n
+
+
+def restream(data: bytes, n_stream: int) -> bytes:
+    """The state as a cache of ``n_stream`` streams would have written it: llama.cpp restores a
+    sequence into its own stream whichever stream its cells were written under, so this moves the
+    one non-empty stream to the front and writes empty ones (a zero cell count each) after it.
+    Raises StateFormatError for a state of another layout."""
+    (have,), at = _read("<I", data, HEADER)
+    if have == n_stream:
+        return data
+    if have < 1 or n_stream < 1:
+        raise StateFormatError(f"a state of {have} streams cannot become one of {n_stream}")
+    empty = struct.pack("<I", 0)
+    for index in range(have):
+        (count,), after = _read("<I", data, at)
+        if count:
+            break
+        at = after
+    else:
+        return data[:HEADER] + struct.pack("<I", n_stream) + empty * n_stream
+    tail = 4 * (have - 1 - index)  # the streams after it, empty
+    if data[len(data) - tail:] != empty * (have - 1 - index):
+        raise StateFormatError("a state with cells in more than one stream")
+    block = data[at:len(data) - tail]
+    layout(data[:HEADER] + struct.pack("<I", 1) + block)  # one plain KV cache, or StateFormatError
+    return data[:HEADER] + struct.pack("<I", n_stream) + block + empty * (n_stream - 1)
