@@ -45,7 +45,7 @@ async def aiollama_streams(e: aiollama.Engine, batch: list[list[int]], n_new: in
 
 # 1. throughput against concurrency
 
-def _best(runs: list[dict[str, float]], key: str) -> dict[str, float]:
+def best(runs: list[dict[str, float]], key: str) -> dict[str, float]:
     """The best of repeated runs: on a shared machine, noise only ever slows a run down."""
     return max(runs, key=lambda r: r.get(key, 0.0))
 
@@ -55,7 +55,7 @@ def batched_bench(binary: Path, model: Path, threads: int, levels: list[int], re
     """llama-batched-bench's S_TG (and S_PP) for each parallel level, with a unified KV cache like
     aiollama's default (``-kvu``), or a split one."""
     runs = [_batched_bench_once(binary, model, threads, levels, unified) for _ in range(repeats)]
-    return {n: _best([r[n] for r in runs if n in r], "s_tg") for n in levels if any(n in r for r in runs)}
+    return {n: best([r[n] for r in runs if n in r], "s_tg") for n in levels if any(n in r for r in runs)}
 
 
 def _batched_bench_once(binary: Path, model: Path, threads: int, levels: list[int],
@@ -92,7 +92,7 @@ async def throughput_aiollama(model: Path, threads: int, levels: list[int], n_vo
                 row["python_overhead"] = 1 - (after.decode_seconds - before.decode_seconds) / step
                 row["decode_steps"] = after.decode_steps - before.decode_steps
                 runs.append(row)
-            results[n] = _best(runs, "decode_tps")
+            results[n] = best(runs, "decode_tps")
     return results
 
 
@@ -105,7 +105,7 @@ async def throughput_server(binary: Path, model: Path, threads: int, levels: lis
             await run_clients(server.url, prompts(1, PROMPT_TOKENS, n_vocab, seed=99), 8)  # warm-up
             runs = [throughput(await run_clients(server.url, prompts(n, PROMPT_TOKENS, n_vocab, seed=n), NEW_TOKENS))
                     for _ in range(repeats)]
-            results[n] = _best(runs, "decode_tps")
+            results[n] = best(runs, "decode_tps")
     return results
 
 
