@@ -265,6 +265,10 @@ class NativeExecutor:
         if not plan.slices:
             return StepResult(StepStatus.OK, parked=parked, restored=restored)
         slices: Sequence[Slice] = plan.slices
+        if not self.ctx.kv_unified:
+            # llama.cpp puts sequences of a split cache in one ubatch only while their seq ids
+            # follow each other in the batch (0, 1, 2...): any other order is several computes
+            slices = sorted(slices, key=lambda s: s.seq_id)
         drafted: dict[int, int] = {}
         if self._drafter is not None and any(s.model_draft for s in slices):
             slices, drafted = self._model_drafts(self._drafter, slices)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
 from aiollama import ContextFull, Engine, EngineConfig, InvalidRequestError
+from aiollama.native import Context
 from helpers import GREEDY, gather, solo, wait_for
 from server_process import Server
 
@@ -136,3 +138,28 @@ async def test_the_server_splits_its_cache_when_asked(tiny_path: Path) -> None:
         assert status == 400 and "context" in json.dumps(body).lower()
     finally:
         server.stop()
+
+
+async def test_a_step_gives_llama_cpp_its_sequences_in_seq_id_order(engine: Engine,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # llama.cpp computes a split cache's sequences together only while their ids follow each other
+    # in the batch: whatever order the streams joined in, each batch lists them by seq id
+    orders: list[list[int]] = []
+    decode = Context.decode
+
+    def recording(self: Context, batch: Any, wake: Any = ()) -> Any:
+        orders.append(list(batch.first_pos))
+        return decode(self, batch, wake)
+
+    monkeypatch.setattr(Context, "decode", recording)
+    first = [engine.conversation(p) for p in ("One story", "Two stories", "Three stories", "Four stories")]
+    streams = [c.stream(max_tokens=30, **GREEDY) for c in first]  # every seq id taken
+    await wait_for(engine, lambda s: s.tokens_generated >= 8)
+    await first[1].aclose()  # its seq id now holds its prefix as a cache entry
+    late = engine.conversation("A late story")  # takes that id from the entry, last in line
+    outs = await gather(streams[0], streams[2], streams[3], late.stream(max_tokens=10, **GREEDY))
+    assert [len(o.tokens) for o in outs] == [30, 30, 30, 10]
+    assert any(len(o) == 4 for o in orders)
+    assert all(o == sorted(o) for o in orders)
+    for c in (first[0], first[2], first[3], late):
+        await c.aclose()
