@@ -17,6 +17,8 @@ The layout read here is llama.cpp's plain KV cache at the pinned tag (one stream
     per layer with V, not transposed:  i32 v_type, u64 v_row_bytes, cell_count rows
                       transposed:      i32 v_type, u32 v_el_bytes, u32 n_embd_v, n_embd_v x cell_count elements
 
+A split cache's state names one stream per seq id, all empty but the sequence's own (:func:`restream`
+re-frames it for a cache of another stream count).
 Anything else (several streams, a sliding-window cache's second section, a recurrent memory) does
 not parse to the blob's exact length and raises :class:`StateFormatError`.
 """
@@ -138,13 +140,6 @@ def ordered(data: bytes, start: int = 0) -> bytes:
             block = buf[sec.offset:sec.offset + sec.rows * sec.width]
             out.append(block.reshape(sec.rows, sec.width)[order].tobytes())
     return b"".join(out)
-
-
-def n_streams(data: bytes) -> int:
-    """How many streams the cache a state was read from had (1: unified; a split cache has one per
-    seq id, all empty but the sequence's own)."""
-    (n,), _ = _read("<I", data, HEADER)
-    return n
 
 
 def restream(data: bytes, n_stream: int) -> bytes:
