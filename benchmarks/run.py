@@ -100,10 +100,10 @@ async def contenders(bins: dict[str, Path], model: Path, threads: int, levels: l
         n_vocab = m.vocab.n_tokens
     runs: dict[str, list[dict[int, dict[str, float]]]] = {"batched_bench": [], "aiollama": [], "llama_server": []}
     for _ in range(repeats):
-        runs["batched_bench"].append(sc.batched_bench(bins["llama-batched-bench"], model, threads, levels, 1, unified))
-        runs["aiollama"].append(await sc.throughput_aiollama(model, threads, levels, n_vocab, 1, unified))
+        runs["batched_bench"].append(sc.batched_bench(bins["llama-batched-bench"], model, threads, levels, unified))
+        runs["aiollama"].append(await sc.throughput_aiollama(model, threads, levels, n_vocab, unified))
         runs["llama_server"].append(await sc.throughput_server(bins["llama-server"], model, threads, levels, n_vocab,
-                                                               1, unified))
+                                                               unified))
     out: dict[str, Any] = {"model": model.name, "levels": levels, "unified": unified}
     for name, key in (("batched_bench", "s_tg"), ("aiollama", "decode_tps"), ("llama_server", "decode_tps")):
         out[name] = {str(n): sc.best([r[n] for r in runs[name] if n in r], key)
@@ -131,7 +131,6 @@ async def main(args: argparse.Namespace) -> int:
         "threads": threads,
         "levels": levels,
         "repeats": args.repeats,
-        "throughput": {},
     }
     print(f"threads={threads} levels={levels}", flush=True)
     print("1. throughput: batched-bench, aiollama, llama-server in turn", flush=True)

@@ -50,16 +50,10 @@ def best(runs: list[dict[str, float]], key: str) -> dict[str, float]:
     return max(runs, key=lambda r: r.get(key, 0.0))
 
 
-def batched_bench(binary: Path, model: Path, threads: int, levels: list[int], repeats: int = 1,
+def batched_bench(binary: Path, model: Path, threads: int, levels: list[int],
                   unified: bool = True) -> dict[int, dict[str, float]]:
     """llama-batched-bench's S_TG (and S_PP) for each parallel level, with a unified KV cache like
-    aiollama's default (``-kvu``), or a split one."""
-    runs = [_batched_bench_once(binary, model, threads, levels, unified) for _ in range(repeats)]
-    return {n: best([r[n] for r in runs if n in r], "s_tg") for n in levels if any(n in r for r in runs)}
-
-
-def _batched_bench_once(binary: Path, model: Path, threads: int, levels: list[int],
-                        unified: bool) -> dict[int, dict[str, float]]:
+    aiollama's default (``-kvu``), or a split one. One run: the caller takes turns and the best."""
     n_ctx = max(levels) * (PROMPT_TOKENS + NEW_TOKENS) + 256
     cmd = [str(binary), "-m", str(model), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
            "-npp", str(PROMPT_TOKENS), "-ntg", str(NEW_TOKENS), "-npl", ",".join(map(str, levels)),
@@ -76,36 +70,32 @@ def _batched_bench_once(binary: Path, model: Path, threads: int, levels: list[in
 
 
 async def throughput_aiollama(model: Path, threads: int, levels: list[int], n_vocab: int,
-                              repeats: int = 1, unified: bool = True) -> dict[int, dict[str, float]]:
+                              unified: bool = True) -> dict[int, dict[str, float]]:
     results = {}
     n_ctx = max(levels) * (PROMPT_TOKENS + NEW_TOKENS) + 512  # split: each stream a share of it, and room
     async with engine(model, threads, n_seq_max=max(levels), n_ctx=n_ctx, unified=unified) as e:
         await aiollama_streams(e, prompts(1, PROMPT_TOKENS, n_vocab, seed=99), 8)  # warm-up
         for n in levels:
-            runs = []
-            for _ in range(repeats):
-                before = e.statistics()
-                timings = await aiollama_streams(e, prompts(n, PROMPT_TOKENS, n_vocab, seed=n), NEW_TOKENS)
-                after = e.statistics()
-                row = throughput(timings)
-                step = after.step_seconds - before.step_seconds
-                row["python_overhead"] = 1 - (after.decode_seconds - before.decode_seconds) / step
-                row["decode_steps"] = after.decode_steps - before.decode_steps
-                runs.append(row)
-            results[n] = best(runs, "decode_tps")
+            before = e.statistics()
+            timings = await aiollama_streams(e, prompts(n, PROMPT_TOKENS, n_vocab, seed=n), NEW_TOKENS)
+            after = e.statistics()
+            row = throughput(timings)
+            step = after.step_seconds - before.step_seconds
+            row["python_overhead"] = 1 - (after.decode_seconds - before.decode_seconds) / step
+            row["decode_steps"] = after.decode_steps - before.decode_steps
+            results[n] = row
     return results
 
 
 async def throughput_server(binary: Path, model: Path, threads: int, levels: list[int], n_vocab: int,
-                            repeats: int = 1, unified: bool = True) -> dict[int, dict[str, float]]:
+                            unified: bool = True) -> dict[int, dict[str, float]]:
     results = {}
     for n in levels:
         n_ctx = n * (PROMPT_TOKENS + NEW_TOKENS + 64)
         with LlamaServer(binary, model, n_parallel=n, n_ctx=n_ctx, threads=threads, unified=unified) as server:
             await run_clients(server.url, prompts(1, PROMPT_TOKENS, n_vocab, seed=99), 8)  # warm-up
-            runs = [throughput(await run_clients(server.url, prompts(n, PROMPT_TOKENS, n_vocab, seed=n), NEW_TOKENS))
-                    for _ in range(repeats)]
-            results[n] = best(runs, "decode_tps")
+            results[n] = throughput(await run_clients(server.url, prompts(n, PROMPT_TOKENS, n_vocab, seed=n),
+                                                      NEW_TOKENS))
     return results
 
 

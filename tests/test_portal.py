@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import anyio
@@ -13,12 +14,14 @@ from aiollama.portal import WAKE_READ, AsyncSink, current_portal
 pytestmark = pytest.mark.anyio
 
 
+async def _read_into(sink: AsyncSink, got: list[object]) -> None:
+    got.append(await sink.get())
+
+
 async def test_a_reader_waits_until_an_item_is_delivered() -> None:
     sink = AsyncSink(current_portal())
     got: list[object] = []
-
-    async def read() -> None:
-        got.append(await sink.get())
+    read = functools.partial(_read_into, sink, got)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(read)
@@ -32,9 +35,7 @@ async def test_a_reader_waits_until_an_item_is_delivered() -> None:
 async def test_a_cancelled_reader_leaves_the_other_waiting_and_woken() -> None:
     sink = AsyncSink(current_portal())
     got: list[object] = []
-
-    async def read() -> None:
-        got.append(await sink.get())
+    read = functools.partial(_read_into, sink, got)
 
     async with anyio.create_task_group() as tg:
         with anyio.CancelScope() as first:
