@@ -299,7 +299,6 @@ bool aiollama_abort_cb(void * data);
 void aiollama_flag_store(int * flag, int value);
 int aiollama_flag_load(int * flag);
 void aiollama_log_install(int min_level);
-int32_t aiollama_decode_wake(struct llama_context * ctx, llama_batch batch, const int * fds, int32_t n_fds);
 int32_t aiollama_reference_kernels(struct llama_context * ctx, bool on);
 void aiollama_sample_rows(struct llama_context * ctx, struct llama_sampler ** chains, const int32_t * rows,
                           const int32_t * top_k, int32_t n, int32_t n_threads, int32_t * out);
@@ -320,7 +319,6 @@ HELPERS = r"""
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-#include <unistd.h>
 
 #include "llama.h"
 
@@ -393,17 +391,6 @@ static void aiollama_log_trampoline(enum ggml_log_level level, const char * text
 static void aiollama_log_install(int min_level) {
     aiollama_log_min_level = min_level;
     llama_log_set(aiollama_log_trampoline, NULL);
-}
-
-/* llama_decode, after writing a byte to each of fds: event loops waiting on those pipes wake and
-   take the GIL while the decode computes (this runs without it), rather than while the decode
-   thread waits to get it back. A full pipe means that loop is awake already. */
-static int32_t aiollama_decode_wake(struct llama_context * ctx, llama_batch batch, const int * fds, int32_t n_fds) {
-    for (int32_t i = 0; i < n_fds; ++i) {
-        ssize_t written = write(fds[i], "", 1);
-        (void) written;
-    }
-    return llama_decode(ctx, batch);
 }
 
 /* The largest of 64 logits (with SSE2 four at a time), or NaN where the block holds one that

@@ -250,18 +250,18 @@ class Portal(Protocol):
     """Runs a callback in the consumer's context (its event loop, or at once for threads).
 
     ``send`` never blocks the decode thread; it returns False when nobody can receive any more (the
-    event loop is closed). ``owner`` is the event loop (or trio token) it delivers into. With a
-    ``wake_fd``, what was sent runs only once a byte is written there (the decode thread does so
-    as it starts its next decode, or before it waits); without, ``send`` delivers by itself.
+    event loop is closed). ``owner`` is the event loop (or trio token) it delivers into. What was
+    sent runs once ``wake`` is called (the decode thread does so as its next decode starts, or
+    before it waits), through the event loop's own thread-safe channel; a portal for plain threads
+    delivers in ``send`` and its ``wake`` does nothing.
     """
 
     @property
     def owner(self) -> Any: ...
 
-    @property
-    def wake_fd(self) -> int | None: ...
-
     def send(self, callback: Callable[[], None]) -> bool: ...
+
+    def wake(self) -> None: ...
 
 
 class Sink(Protocol):

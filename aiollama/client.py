@@ -12,11 +12,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from aiollama import constraints, reasoning
-from aiollama.boundary import Admission, Command, EngineConfig, Portal, Statistics
+from aiollama.boundary import Admission, Command, EngineConfig, Item, Statistics
 from aiollama.chat import ChatTemplate, Segment, chat_tokens
 from aiollama.decode_loop import DecodeLoop
 from aiollama.errors import ChatTemplateError, EngineClosed, EngineDead, InvalidRequestError, WrongEventLoop
-from aiollama.portal import current_portal
+from aiollama.portal import AsyncioPortal, AsyncSink, ThreadSink, TrioPortal, current_portal
 from aiollama.sampling import SamplingParams
 from aiollama.step import Executor, Tokenizer
 
@@ -79,13 +79,30 @@ class EngineClient:
         if self.closed or self._tokenizer is None:
             raise EngineClosed("the engine is closed" if self.closed else "the engine is not started")
 
-    def check_loop(self) -> Portal:
+    def check_loop(self) -> AsyncioPortal | TrioPortal:
         """The caller's portal; WrongEventLoop if an async engine is used outside its own loop."""
         portal = current_portal()
         if self.owner is not None and portal.owner is not self.owner:
             raise WrongEventLoop("this engine belongs to the event loop that started it; start one "
                                  "engine per event loop, or use SyncEngine from threads")
         return portal
+
+    def failure(self) -> BaseException | None:
+        """None while the decode thread runs; otherwise what a caller still waiting on it gets (it
+        answers every request before it ends, so this only matters if it could not)."""
+        decoder = self.decoder
+        if decoder.alive:
+            return None
+        return decoder.dead or EngineClosed("the engine stopped before it answered")
+
+    def async_sink(self, on_item: Callable[[Item], None] | None = None) -> AsyncSink:
+        """An inbox on the caller's event loop (WrongEventLoop elsewhere) that a waiting reader
+        leaves with the engine's error if the engine ends without answering."""
+        return AsyncSink(self.check_loop(), on_item, self.failure)
+
+    def thread_sink(self, on_item: Callable[[Item], None] | None = None) -> ThreadSink:
+        """An inbox for a plain thread; see :meth:`async_sink`."""
+        return ThreadSink(on_item, self.failure)
 
     def send(self, command: Command) -> None:
         self.check()

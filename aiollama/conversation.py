@@ -335,7 +335,7 @@ class Conversation(_ConversationBase):
         the context), and GrammarError for a grammar that does not parse.
         """
         guide, scale = self._guidance(params)
-        sink = AsyncSink(self._core.check_loop(), self._take(guide))
+        sink = self._core.async_sink(self._take(guide))
         stream = Stream(self._history, self._cancel, sink)
         self._start(params, sink, stream, guide, scale)
         return stream
@@ -370,7 +370,7 @@ class Conversation(_ConversationBase):
         Raises ConversationBusy while a stream of it has not ended, and OSError if the file cannot be
         written.
         """
-        sink = AsyncSink(self._core.check_loop())
+        sink = self._core.async_sink()
         self._save_request(sink)
         with anyio.CancelScope(shield=True):
             data = self._saved(await sink.get())
@@ -379,7 +379,7 @@ class Conversation(_ConversationBase):
     async def aclose(self) -> None:
         """End any generation and free the conversation; its cached prefix stays in the engine's
         prefix cache for any later conversation that starts with it. Idempotent."""
-        sink = AsyncSink(self._core.check_loop())
+        sink = self._core.async_sink()
         if self._close_command(sink):
             with anyio.CancelScope(shield=True):
                 await sink.get()
@@ -398,7 +398,7 @@ class SyncConversation(_ConversationBase):
     def stream(self, **params: Any) -> SyncStream:
         """Start generating; iterate the result, or call ``result()``. See ``Conversation.stream``."""
         guide, scale = self._guidance(params)
-        sink = ThreadSink(self._take(guide))
+        sink = self._core.thread_sink(self._take(guide))
         stream = SyncStream(self._history, self._cancel, sink)
         self._start(params, sink, stream, guide, scale)
         return stream
@@ -411,13 +411,13 @@ class SyncConversation(_ConversationBase):
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the conversation to ``path``; see ``Conversation.save``."""
-        sink = ThreadSink()
+        sink = self._core.thread_sink()
         self._save_request(sink)
         write_file(path, self._saved(sink.get()))
 
     def close(self) -> None:
         """End any generation and free the conversation. Idempotent."""
-        sink = ThreadSink()
+        sink = self._core.thread_sink()
         if self._close_command(sink):
             sink.get()
 

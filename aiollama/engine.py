@@ -247,7 +247,7 @@ class Engine(_EngineBase):
         Raises ContextFull for a text longer than the embeddings context (2048 tokens at most),
         InvalidRequestError for an empty one.
         """
-        sink = AsyncSink(self._client.check_loop())
+        sink = self._client.async_sink()
         self._embed_request(texts, normalize, sink)
         with anyio.CancelScope(shield=True):
             item = await sink.get()
@@ -256,7 +256,7 @@ class Engine(_EngineBase):
     async def clear_cache(self) -> None:
         """Drop the prefix cache: what closed conversations left in the KV cache, and every state
         parked in host memory. Conversations still open keep theirs."""
-        sink = AsyncSink(self._client.check_loop())
+        sink = self._client.async_sink()
         self._client.send(ClearCache(sink))
         with anyio.CancelScope(shield=True):
             await sink.get()
@@ -271,9 +271,8 @@ class Engine(_EngineBase):
             OSError: the file cannot be read.
         Nothing changes in the engine when it raises.
         """
-        portal = self._client.check_loop()
+        sink = self._client.async_sink()
         data = await anyio.to_thread.run_sync(_read_file, path)
-        sink = AsyncSink(portal)
         conv: Conversation = self._loading(Conversation, data, sink)
         with anyio.CancelScope(shield=True):
             await sink.get()
@@ -329,19 +328,19 @@ class SyncEngine(_EngineBase):
     def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *,
               normalize: bool = True) -> list[list[float]]:
         """Embeddings; see ``Engine.embed``."""
-        sink = ThreadSink()
+        sink = self._client.thread_sink()
         self._embed_request(texts, normalize, sink)
         return self._vectors(sink.get())
 
     def clear_cache(self) -> None:
         """Drop the prefix cache; see ``Engine.clear_cache``."""
-        sink = ThreadSink()
+        sink = self._client.thread_sink()
         self._client.send(ClearCache(sink))
         sink.get()
 
     def load(self, path: str | os.PathLike[str]) -> SyncConversation:
         """A saved conversation; see ``Engine.load``."""
-        sink = ThreadSink()
+        sink = self._client.thread_sink()
         conv: SyncConversation = self._loading(SyncConversation, _read_file(path), sink)
         sink.get()
         return conv

@@ -6,10 +6,10 @@
 2. ``result = executor.execute(plan)``: the only call into llama.cpp (KV ops, decode, sampling);
 3. ``scheduler.update(plan, result)`` and ``generations.update(result)``: pure; the history, the
    cache and the finish rules;
-4. ``outbox.flush()``: one non-blocking hop per consumer event loop. Loops with a wake pipe are
-   woken as the next decode starts (the executor writes to their pipes with the GIL released, so
-   consumers run while the decode computes, not while the decode thread waits for the GIL), or at
-   once when no decode follows.
+4. ``outbox.flush()``: one non-blocking hop per consumer event loop. Each loop is woken as the next
+   decode starts (just before the executor releases the GIL for ``llama_decode``, so consumers run
+   while the decode computes, not while the decode thread waits for the GIL), or at once when no
+   decode follows.
 
 Commands from callers are applied between steps by :meth:`EngineCore.handle`. Everything here runs on
 the decode thread, except reads of ``statistics`` and ``prefilling``, which are replaced whole.
@@ -19,7 +19,6 @@ It imports neither llama.cpp nor an event loop library.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -100,13 +99,13 @@ class EngineCore:
             self.prefilling = plan.prefilling
             if plan.admitted or self.prefilling:
                 self.publish()  # admissions and prompts show while a long decode runs
-        unwoken = self.outbox.take_unwoken()  # held until written to: a pipe closes with its portal
-        if plan.slices and self.executor.wakes:
-            plan = dataclasses.replace(plan, wake=tuple(p.wake_fd for p in unwoken if p.wake_fd is not None))
+        unwoken = self.outbox.take_unwoken()
+        if plan.slices:
+            result = self.executor.execute(plan, lambda: wake(unwoken))
         else:
             wake(unwoken)
-        result = self.executor.execute(plan)
-        del unwoken
+            result = self.executor.execute(plan)
+        wake(unwoken)  # in case no decode started: a portal woken already is not asked again
         self.prefilling = frozenset()
         progressed = self.scheduler.update(plan, result)
         if plan.slices:

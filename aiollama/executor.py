@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,6 @@ from aiollama.native import seqstate
 from aiollama.native.binding import lib
 from aiollama.native.sampler import DEFAULT_SEED, attach
 from aiollama.ordered import OrderedCells
-from aiollama.outbox import wake_fds
 from aiollama.sampling import LogitsProcessor, SamplingParams
 from aiollama.step import (Compact, Copy, Op, Park, Plan, Remove, Restore, Sampled, Shift, Slice, StepResult,
                            StepStatus, Tokenizer)
@@ -181,8 +180,6 @@ class NativeExecutor:
                 stack.callback(self._drafter.close)
             self._handles = stack.pop_all()
         self._threads = config.n_threads
-        self.wakes = True  # the consumers' loops are woken as the decode starts, without the GIL
-        self._wake: tuple[int, ...] = ()
         self._gpu_decodes = config.n_gpu_layers != 0 and bool(lib.llama_supports_gpu_offload())
         self.vocab = self.model.vocab
         self.tokenizer: Tokenizer = VocabTokenizer(self.vocab)
@@ -260,7 +257,7 @@ class NativeExecutor:
                 if attach(self.ctx, s.seq_id, sampler.chain):
                     self._attached[s.seq_id] = s.conv
 
-    def execute(self, plan: Plan) -> StepResult:
+    def execute(self, plan: Plan, on_decode: Callable[[], None] | None = None) -> StepResult:
         parked, restored = self._apply(plan.ops)
         if not plan.slices:
             return StepResult(StepStatus.OK, parked=parked, restored=restored)
@@ -289,16 +286,12 @@ class NativeExecutor:
                     drafts.append((len(outputs), s))
                 outputs.append((s.conv, last - s.draft))
         start = time.perf_counter()
-        self._wake = plan.wake
         try:
-            status = self._decode(batch)
+            status = self._decode(batch, on_decode)
         finally:
             # Not cleared before the decode: a cancel that arrives between planning and decoding
             # must still interrupt it.
             self.ctx.clear_abort()
-            if self._wake:  # no decode wrote to them
-                wake_fds(self._wake)
-                self._wake = ()
         elapsed = time.perf_counter() - start
         if status is DecodeStatus.OK:
             failed: dict[int, BaseException] = {}
@@ -327,9 +320,8 @@ class NativeExecutor:
                     if s.conv in tokens else s for s in slices)
         return out, {conv: len(d) for conv, d in tokens.items()}
 
-    def _decode(self, batch: Batch) -> DecodeStatus:
-        wake, self._wake = self._wake, ()
-        return self.ctx.decode(batch, wake)
+    def _decode(self, batch: Batch, on_decode: Callable[[], None] | None) -> DecodeStatus:
+        return self.ctx.decode(batch, on_decode)
 
     def _apply(self, ops: Sequence[Op]) -> tuple[dict[int, bytes], dict[int, bool]]:
         parked: dict[int, bytes] = {}

@@ -1,13 +1,11 @@
 """What one step produced for each consumer, delivered in one hop per event loop.
 
-It calls :meth:`~aiollama.boundary.Portal.send`, which never blocks, and writes one byte to the
-wake descriptor of each portal that has one (see :func:`wake`).
+It calls :meth:`~aiollama.boundary.Portal.send`, which never blocks; what was sent runs in the
+consumer's context once the portal is woken (see :func:`wake`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,16 +23,11 @@ class _Dispatch:
             sink.deliver(item)
 
 
-def wake_fds(fds: Iterable[int]) -> None:
-    """Write a byte to each wake descriptor (a full pipe means that loop is awake already)."""
-    for fd in fds:
-        with contextlib.suppress(BlockingIOError):
-            os.write(fd, b"\0")
-
-
 def wake(portals: Iterable[Portal]) -> None:
-    """Make these portals' event loops run what was sent to them."""
-    wake_fds(p.wake_fd for p in portals if p.wake_fd is not None)
+    """Make these portals' event loops run what was sent to them (a portal already woken and not
+    yet run is not asked twice)."""
+    for portal in portals:
+        portal.wake()
 
 
 class Outbox:
@@ -47,14 +40,14 @@ class Outbox:
 
     def flush(self) -> list[Portal]:
         """Send everything emitted since the last flush; return the portals nobody listens to any
-        more (their event loop has closed). Portals with a wake descriptor still need
-        :meth:`take_unwoken` and a wake."""
+        more (their event loop has closed). The others still need :meth:`take_unwoken` and a
+        wake."""
         out, self._out = self._out, {}
         dead = []
         for portal, items in out.items():
             if not portal.send(_Dispatch(items)):
                 dead.append(portal)
-            elif portal.wake_fd is not None:
+            else:
                 self._unwoken[portal] = None
         return dead
 

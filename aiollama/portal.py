@@ -1,14 +1,26 @@
 """How the decode thread reaches consumers: one non-blocking hop into an event loop, or a queue.
 
-The decode thread only calls ``Portal.send`` and ``Sink.deliver`` (through the portal); it never
-waits for a consumer.
+The decode thread only calls ``Portal.send`` (through the outbox) and ``Portal.wake``; it never
+waits for a consumer. What it sends to an event loop waits in the portal until a wake, which the
+decode thread gives as its next ``llama_decode`` starts (or at once when nothing decodes), so that
+consumers run while the decode computes.
+
+A wake goes through the event loop's own thread-safe channel (``call_soon_threadsafe`` on asyncio,
+``TrioToken.run_sync_soon`` on trio): it cannot be lost to anything else in the application. A
+descriptor of our own registered with ``loop.add_reader`` can: asyncio keys readers by descriptor
+number, so a transport that the application abandoned, whose socket was closed behind its back,
+removes "its" reader by number when it is finally closed, and takes with it the registration of
+whatever descriptor reused that number.
+
+Liveness: a reader waiting for an engine that has stopped without answering is answered all the
+same. Each portal looks at its waiting readers every ``LIVENESS_SECONDS`` (one timer per event loop,
+armed only while someone waits), and a plain thread's reader wakes as often; a reader whose engine
+has ended gets that engine's error instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import queue
 import weakref
 from collections import deque
@@ -18,64 +30,71 @@ from typing import Any
 import anyio
 import sniffio
 
-from aiollama.boundary import Item, Portal
+from aiollama.boundary import Delta, Item, Portal
 from aiollama.errors import WrongEventLoop
 
 # A trio run leaves its token behind when it ends; forget the portals of old runs now and then
 # (a process rarely runs many trio loops, and a forgotten portal is only a small object).
 MAX_TRIO_PORTALS = 64
-WAKE_READ = 4096  # bytes read from a wake pipe at a time (a step writes one)
+# How often a waiting reader's engine is looked at: a reader of an engine that ended without
+# answering it learns so within this time.
+LIVENESS_SECONDS = 1.0
+
+# None while the engine can still answer; otherwise the error a waiting reader gets.
+Failure = Callable[[], BaseException | None]
 
 
-class _WakePipe:
-    """A pipe the decode thread writes a byte to, to make an event loop run what was sent to it.
+class _Posted:
+    """Callbacks the decode thread posted for one event loop, run there in order by ``run``.
 
-    The decode thread writes as it starts a ``llama_decode``, with the GIL released, so the loop
-    takes the GIL while the decode computes, not while the decode thread waits for it. The pipe is
-    closed only when its portal is collected, so a writer holding the portal never writes to a
-    reused descriptor.
-    """
+    ``arm`` tells the decode thread whether the loop must be asked to run them: once per batch of
+    posts, however many arrive before the loop gets to them."""
 
-    def __init__(self, owner: object) -> None:
+    def __init__(self) -> None:
         self._items: deque[Callable[[], None]] = deque()
-        self._read, self.wake_fd = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self.wake_fd, False)
-        weakref.finalize(owner, _close_fds, self._read, self.wake_fd)
+        self._armed = False
 
     def post(self, callback: Callable[[], None]) -> None:
         self._items.append(callback)  # deque.append is atomic: the loop may be running callbacks
 
-    def run_posted(self) -> None:
-        """On the loop: empty the pipe, then run everything posted, in order."""
-        try:
-            while len(os.read(self._read, WAKE_READ)) == WAKE_READ:
-                pass  # a short read emptied it: no second system call to learn so
-        except BlockingIOError:
-            pass
-        while self._items:
-            self._items.popleft()()
+    def arm(self) -> bool:
+        """On the decode thread: True if the loop must now be asked to run what was posted."""
+        if self._armed or not self._items:
+            return False
+        self._armed = True
+        return True
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def run(self) -> None:
+        """On the loop: run everything posted, in order. Disarmed first, so that a post arriving
+        while this runs either is run here or arms the next run."""
+        self._armed = False
+        items = self._items
+        while items:
+            items.popleft()()
 
 
-def _close_fds(*fds: int) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+class _Watch:
+    """The readers of one event loop that wait on an engine, looked at every ``LIVENESS_SECONDS``."""
+
+    def __init__(self) -> None:
+        self.waiting: set[AsyncSink] = set()
+
+    def check(self) -> None:
+        for sink in list(self.waiting):
+            sink.check()
 
 
 class AsyncioPortal:
-    """Delivers into an asyncio loop. With a selector loop (the default on Unix, and uvloop), sent
-    callbacks wait in a queue until the decode thread writes to the wake pipe; otherwise each send
-    is a ``call_soon_threadsafe``."""
+    """Delivers into an asyncio loop (any implementation: selector, proactor, uvloop)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)
-        self._pipe: _WakePipe | None = _WakePipe(self)
-        self.wake_fd: int | None = self._pipe.wake_fd
-        try:
-            loop.add_reader(self._pipe._read, self._pipe.run_posted)
-        except NotImplementedError:  # a proactor loop has no readers
-            self._pipe, self.wake_fd = None, None
+        self._posted = _Posted()
+        self._watch = _Watch()
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def owner(self) -> asyncio.AbstractEventLoop | None:
@@ -85,54 +104,100 @@ class AsyncioPortal:
         loop = self._loop()
         if loop is None or loop.is_closed():
             return False  # nobody is listening any more
-        if self._pipe is not None:
-            self._pipe.post(callback)
-            return True
-        try:
-            loop.call_soon_threadsafe(callback)
-        except RuntimeError:
-            return False
+        self._posted.post(callback)
         return True
+
+    def wake(self) -> None:
+        if not self._posted.arm():
+            return
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._posted.run)
+        except RuntimeError:  # closed: the next send says so
+            self._posted.disarm()
+
+    def waiting(self, sink: AsyncSink, waits: bool) -> None:
+        """On the loop: ``sink`` starts (or stops) waiting on its engine."""
+        if not waits:
+            self._watch.waiting.discard(sink)
+            return
+        self._watch.waiting.add(sink)
+        if self._timer is None:
+            loop = self._loop()
+            if loop is not None:
+                self._timer = loop.call_later(LIVENESS_SECONDS, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._posted.run()  # whatever arrived is delivered before anyone is told the engine ended
+        self._watch.check()
+        if self._watch.waiting:
+            loop = self._loop()
+            if loop is not None:
+                self._timer = loop.call_later(LIVENESS_SECONDS, self._tick)
 
 
 class TrioPortal:
-    """Delivers into a trio run: a system task waits on the wake pipe and runs what was sent."""
+    """Delivers into a trio run."""
 
     def __init__(self, token: Any) -> None:
         import trio
 
         self.owner = token
-        self._pipe = _WakePipe(self)
-        self.wake_fd: int | None = self._pipe.wake_fd
+        self._posted = _Posted()
+        self._watch = _Watch()
         self._done = False
-        trio.lowlevel.spawn_system_task(self._serve, name="aiollama-portal")
+        trio.lowlevel.spawn_system_task(self._look, name="aiollama-liveness")
 
-    async def _serve(self) -> None:
+    async def _look(self) -> None:
         import trio
 
         try:
             while True:
-                await trio.lowlevel.wait_readable(self._pipe._read)
-                self._pipe.run_posted()
+                await trio.sleep(LIVENESS_SECONDS)
+                if self._watch.waiting:
+                    self._posted.run()
+                    self._watch.check()
         finally:
             self._done = True
 
     def send(self, callback: Callable[[], None]) -> bool:
         if self._done:
             return False  # the run has ended
-        self._pipe.post(callback)
+        self._posted.post(callback)
         return True
+
+    def wake(self) -> None:
+        import trio
+
+        if not self._posted.arm():
+            return
+        try:
+            self.owner.run_sync_soon(self._posted.run)
+        except trio.RunFinishedError:
+            self._done = True
+            self._posted.disarm()
+
+    def waiting(self, sink: AsyncSink, waits: bool) -> None:
+        if waits:
+            self._watch.waiting.add(sink)
+        else:
+            self._watch.waiting.discard(sink)
 
 
 class ThreadPortal:
     """For consumers on plain threads: their sinks are thread-safe queues, so deliver at once."""
 
     owner = None
-    wake_fd: int | None = None  # send() delivers at once
 
     def send(self, callback: Callable[[], None]) -> bool:
         callback()
         return True
+
+    def wake(self) -> None:
+        pass  # send() delivered already
 
 
 THREAD_PORTAL = ThreadPortal()
@@ -140,7 +205,7 @@ _asyncio_portals: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncioPo
 _trio_portals: dict[Any, TrioPortal] = {}
 
 
-def current_portal() -> Portal:
+def current_portal() -> AsyncioPortal | TrioPortal:
     """The portal of the event loop the caller runs in (one per loop, so a step hops once per loop).
 
     Raises WrongEventLoop outside asyncio and trio.
@@ -173,13 +238,17 @@ class AsyncSink:
     """A stream's inbox on its event loop; ``deliver`` runs on that loop.
 
     ``on_item`` sees every item as it arrives, whether or not anyone reads the stream (the
-    conversation keeps its history with it). On asyncio a waiting reader waits on a plain future
-    (a step wakes every stream, so this is the consumer's hot path); on trio on an event.
+    conversation keeps its history with it). ``failure`` says whether the engine can still answer
+    (None) or what a waiting reader gets instead. On asyncio a waiting reader waits on a plain
+    future (a step wakes every stream, so this is the consumer's hot path); on trio on an event.
     """
 
-    def __init__(self, portal: Portal, on_item: Callable[[Item], None] | None = None) -> None:
-        self.portal = portal
+    def __init__(self, portal: AsyncioPortal | TrioPortal, on_item: Callable[[Item], None] | None = None,
+                 failure: Failure | None = None) -> None:
+        self.portal: Portal = portal
+        self._portal = portal
         self._on_item = on_item
+        self._failure = failure
         self._items: deque[Item] = deque()
         self._asyncio = isinstance(portal, AsyncioPortal)
         # the readers waiting: a future each on asyncio (one reader's cancellation cancels its
@@ -200,26 +269,43 @@ class AsyncSink:
             self._event.set()
             self._event = None
 
+    def check(self) -> None:
+        """On the loop, for a waiting reader: if the engine has ended, answer with its error."""
+        error = self._failure() if self._failure is not None else None
+        if error is not None and not self._items:
+            self.deliver(Delta(error=error))
+
     async def get(self) -> Item:
-        while not self._items:
-            if self._asyncio:
-                future = asyncio.get_running_loop().create_future()
-                self._futures.append(future)
-                await future
-            else:
-                if self._event is None:
-                    self._event = anyio.Event()
-                await self._event.wait()
+        if self._items:
+            return self._items.popleft()
+        watched = self._failure is not None
+        if watched:
+            self._portal.waiting(self, True)
+        try:
+            while not self._items:
+                if self._asyncio:
+                    future = asyncio.get_running_loop().create_future()
+                    self._futures.append(future)
+                    await future
+                else:
+                    if self._event is None:
+                        self._event = anyio.Event()
+                    await self._event.wait()
+        finally:
+            if watched:
+                self._portal.waiting(self, False)
         return self._items.popleft()
 
 
 class ThreadSink:
-    """A stream's inbox for a consumer on a plain thread; ``deliver`` runs on the decode thread."""
+    """A stream's inbox for a consumer on a plain thread; ``deliver`` runs on the decode thread.
+    A reader waiting for an engine that has ended gets its error (see ``AsyncSink``)."""
 
     portal: Portal = THREAD_PORTAL
 
-    def __init__(self, on_item: Callable[[Item], None] | None = None) -> None:
+    def __init__(self, on_item: Callable[[Item], None] | None = None, failure: Failure | None = None) -> None:
         self._on_item = on_item
+        self._failure = failure
         self._queue: queue.SimpleQueue[Item] = queue.SimpleQueue()
 
     def deliver(self, item: Item) -> None:
@@ -228,4 +314,12 @@ class ThreadSink:
         self._queue.put(item)
 
     def get(self) -> Item:
-        return self._queue.get()
+        if self._failure is None:
+            return self._queue.get()
+        while True:
+            try:
+                return self._queue.get(timeout=LIVENESS_SECONDS)
+            except queue.Empty:
+                error = self._failure()
+                if error is not None and self._queue.empty():
+                    self.deliver(Delta(error=error))

@@ -9,7 +9,7 @@ these values, so the engine can be driven by a fake executor with no model at al
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -124,7 +124,6 @@ class Plan:
     slices: tuple[Slice, ...] = ()
     admitted: tuple[int, ...] = ()
     shifted: tuple[tuple[int, int, int], ...] = ()
-    wake: tuple[int, ...] = ()  # descriptors to write a byte to as the decode starts (consumers' loops)
 
     @property
     def n_tokens(self) -> int:
@@ -239,7 +238,6 @@ class Executor(Protocol):
     n_seq_max: int
     n_batch: int
     tokenizer: Tokenizer
-    wakes: bool  # execute writes a byte to each of ``plan.wake`` as its decode starts (else the engine does, before)
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
                        matcher: Any = None, guidance: tuple[int, float] | None = None) -> None:
@@ -252,7 +250,11 @@ class Executor(Protocol):
 
     def stop_sampling(self, conv: int) -> None: ...
 
-    def execute(self, plan: Plan) -> StepResult: ...
+    def execute(self, plan: Plan, on_decode: Callable[[], None] | None = None) -> StepResult:
+        """Apply the plan's KV operations, decode its slices and sample. ``on_decode`` is called
+        once, right before the decode starts (the consumers' event loops are woken then, so they
+        run while it computes); not at all when nothing is decoded."""
+        ...
 
     def request_abort(self) -> None: ...
 

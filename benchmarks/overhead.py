@@ -26,7 +26,7 @@ import datetime
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,6 @@ class NullExecutor:
     """Decodes nothing: every row with logits gets token 'a' at once."""
 
     can_shift = True
-    wakes = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.tokenizer = ByteTokenizer()
@@ -72,7 +71,9 @@ class NullExecutor:
     def stop_sampling(self, conv: int) -> None:
         pass
 
-    def execute(self, plan: Plan) -> StepResult:
+    def execute(self, plan: Plan, on_decode: Callable[[], None] | None = None) -> StepResult:
+        if plan.slices and on_decode is not None:
+            on_decode()
         return StepResult(StepStatus.OK, tuple(Sampled(s.conv, 97, self._piece, False) for s in plan.slices if s.logits))
 
     def request_abort(self) -> None:

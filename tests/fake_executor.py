@@ -120,7 +120,6 @@ class FakeExecutor:
         self.kv = FakeKV(config.n_ctx, self.n_seq_max)
         self.fingerprint = {"model": "fake", "n_vocab": ByteTokenizer.n_vocab}
         self.can_shift = True
-        self.wakes = False  # the engine wakes consumers' loops before execute
         self.eog_every = eog_every
         self.period = period
         self.fault = fault
@@ -161,7 +160,9 @@ class FakeExecutor:
         self.matchers.pop(conv, None)
         self.guidance.pop(conv, None)
 
-    def execute(self, plan: Plan) -> StepResult:
+    def execute(self, plan: Plan, on_decode: Callable[[], None] | None = None) -> StepResult:
+        if plan.slices and on_decode is not None:
+            on_decode()
         try:
             return self._execute(plan)
         finally:

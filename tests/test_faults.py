@@ -36,10 +36,10 @@ class FaultyExecutor(NativeExecutor):
         super().__init__(config, config.model_path)  # type: ignore[arg-type]
         self.calls = 0
 
-    def _decode(self, batch: Batch) -> DecodeStatus:
+    def _decode(self, batch: Batch, on_decode: Callable[[], None] | None) -> DecodeStatus:
         self.calls += 1
         injected = type(self).fault(self.calls)
-        return injected if injected is not None else super()._decode(batch)
+        return injected if injected is not None else super()._decode(batch, on_decode)
 
 
 @pytest.mark.parametrize("code", [DecodeStatus.NO_KV_SLOT, DecodeStatus.ABORTED])

@@ -1,15 +1,15 @@
-"""Delivery into event loops: the wake pipe and a stream's inbox, on asyncio and trio."""
+"""Delivery into event loops: posting and waking, and a stream's inbox, on asyncio and trio."""
 
 from __future__ import annotations
 
 import functools
-import os
 
 import anyio
 import pytest
 
 from aiollama.boundary import Delta
-from aiollama.portal import WAKE_READ, AsyncSink, current_portal
+from aiollama.errors import EngineDead
+from aiollama.portal import AsyncSink, ThreadSink, current_portal
 
 pytestmark = pytest.mark.anyio
 
@@ -53,17 +53,43 @@ async def test_a_cancelled_reader_leaves_the_other_waiting_and_woken() -> None:
     assert (await sink.get()).text == "c"
 
 
-async def test_the_wake_pipe_is_emptied_however_much_was_written() -> None:
+async def test_what_is_sent_runs_on_the_loop_only_once_woken_and_in_order() -> None:
     portal = current_portal()
-    pipe = portal._pipe  # type: ignore[union-attr]
     ran: list[int] = []
-    pipe.post(lambda: ran.append(1))
-    os.write(pipe.wake_fd, b"x" * (3 * WAKE_READ + 5))
-    pipe.run_posted()
-    assert ran == [1]
-    with pytest.raises(BlockingIOError):
-        os.read(pipe._read, 1)
-    os.write(pipe.wake_fd, b"x" * WAKE_READ)  # exactly one read's worth
-    pipe.run_posted()
-    with pytest.raises(BlockingIOError):
-        os.read(pipe._read, 1)
+    assert portal.send(lambda: ran.append(1))
+    assert portal.send(lambda: ran.append(2))
+    await anyio.wait_all_tasks_blocked()
+    assert ran == []  # nothing runs before a wake
+    portal.wake()
+    portal.wake()  # a second wake before the loop ran: not asked twice
+    await anyio.wait_all_tasks_blocked()
+    assert ran == [1, 2]
+    assert portal.send(lambda: ran.append(3))
+    portal.wake()  # after a run, the next post needs a wake of its own
+    await anyio.wait_all_tasks_blocked()
+    assert ran == [1, 2, 3]
+
+
+async def test_a_waiting_reader_of_an_engine_that_ended_gets_its_error() -> None:
+    failure: list[BaseException] = []
+    sink = AsyncSink(current_portal(), failure=lambda: failure[0] if failure else None)
+    got: list[object] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(_read_into, sink, got))
+        await anyio.wait_all_tasks_blocked()
+        failure.append(EngineDead("gone"))  # the engine ended without answering this reader
+        with anyio.fail_after(10):
+            while not got:
+                await anyio.sleep(0.05)
+    (item,) = got
+    assert isinstance(item, Delta) and isinstance(item.error, EngineDead)
+
+
+def test_a_waiting_thread_of_an_engine_that_ended_gets_its_error() -> None:
+    failure: list[BaseException] = []
+    sink = ThreadSink(failure=lambda: failure[0] if failure else None)
+    sink.deliver(Delta("a", (97,)))
+    assert sink.get() == Delta("a", (97,))
+    failure.append(EngineDead("gone"))
+    item = sink.get()  # within a liveness period
+    assert isinstance(item, Delta) and isinstance(item.error, EngineDead)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiollama._validate import integer
@@ -221,22 +221,22 @@ class Context(Handle):
                     f"position gap in sequence {seq_id}: the cache holds it up to position {pos_max}, "
                     f"the batch starts it at {first} (expected {pos_max + 1})")
 
-    def decode(self, batch: Batch, wake: Sequence[int] = ()) -> DecodeStatus:
-        """Run one ``llama_decode`` over ``batch``. The GIL is released while it runs; first, one
-        byte is written to each file descriptor in ``wake`` (without the GIL too).
+    def decode(self, batch: Batch, before: Callable[[], None] | None = None) -> DecodeStatus:
+        """Run one ``llama_decode`` over ``batch``. The GIL is released while it runs; ``before`` is
+        called just before it starts, once the batch has been checked (to wake another thread that
+        can then run while this one computes).
 
         Raises InvalidBatchError, InvalidTokenError or InvalidSeqIdError for a batch llama.cpp would
-        abort on or reject; nothing is decoded (and nothing written) then.
+        abort on or reject; nothing is decoded (and ``before`` is not called) then.
         """
         ptr = self._get()
         c = batch._get()
         self._check_batch(batch)
         self._outputs = frozenset()
         c.n_tokens = batch.n_tokens
-        if wake:
-            status = DecodeStatus(lib.aiollama_decode_wake(ptr, c, ffi.new("int[]", list(wake)), len(wake)))
-        else:
-            status = DecodeStatus(lib.llama_decode(ptr, c))
+        if before is not None:
+            before()
+        status = DecodeStatus(lib.llama_decode(ptr, c))
         if status is DecodeStatus.OK:
             self._outputs = frozenset(batch.outputs)
         return status
