@@ -288,6 +288,24 @@ struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t pen
 struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
                                                      const llama_logit_bias * logit_bias);
 
+/* devices and backends (ggml) */
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+typedef struct ggml_backend_buffer_type * ggml_backend_buffer_type_t;
+enum ggml_backend_dev_type {
+    GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU,
+    GGML_BACKEND_DEVICE_TYPE_ACCEL, ...
+};
+size_t ggml_backend_reg_count(void);
+size_t ggml_backend_dev_count(void);
+ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+void ggml_backend_load_all_from_path(const char * dir_path);
+const char * ggml_backend_buft_name(ggml_backend_buffer_type_t buft);
+
 /* logging and perf */
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
@@ -298,6 +316,7 @@ struct llama_perf_sampler_data llama_perf_sampler(const struct llama_sampler * c
 bool aiollama_abort_cb(void * data);
 void aiollama_flag_store(int * flag, int value);
 int aiollama_flag_load(int * flag);
+int32_t aiollama_extra_bufts(const char ** names, int32_t max);
 void aiollama_log_install(int min_level);
 int32_t aiollama_reference_kernels(struct llama_context * ctx, bool on);
 void aiollama_sample_rows(struct llama_context * ctx, struct llama_sampler ** chains, const int32_t * rows,
@@ -386,6 +405,25 @@ static void aiollama_log_trampoline(enum ggml_log_level level, const char * text
     if (effective >= aiollama_log_min_level && text != NULL) {
         aiollama_log_py(effective, text);
     }
+}
+
+/* The names of the extra buffer types the CPU backend offers for weights (repacked layouts, AMX
+   tiles...: what llama_model_params.use_extra_bufts enables); returns how many, at most max. */
+static int32_t aiollama_extra_bufts(const char ** names, int32_t max) {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (cpu == NULL) {
+        return 0;
+    }
+    ggml_backend_dev_get_extra_bufts_t get = (ggml_backend_dev_get_extra_bufts_t)
+        ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
+    int32_t n = 0;
+    for (ggml_backend_buffer_type_t * b = get != NULL ? get(cpu) : NULL; b != NULL && *b != NULL; ++b) {
+        if (n < max) {
+            names[n] = ggml_backend_buft_name(*b);
+        }
+        ++n;
+    }
+    return n;
 }
 
 static void aiollama_log_install(int min_level) {

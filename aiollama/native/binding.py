@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import os
 import threading
 from typing import Any
 
@@ -86,7 +87,8 @@ def verify_declarations(ffi: Any, lib: Any) -> None:
         getattr(lib, name)
 
 
-_OPAQUE = {"llama_vocab", "llama_model", "llama_context", "llama_sampler", "llama_memory_i"}
+_OPAQUE = {"llama_vocab", "llama_model", "llama_context", "llama_sampler", "llama_memory_i", "ggml_backend_device",
+           "ggml_backend_reg", "ggml_backend_buffer_type"}
 
 
 def _shutdown() -> None:
@@ -94,7 +96,16 @@ def _shutdown() -> None:
     lib.llama_log_set(ffi.NULL, ffi.NULL)
 
 
+def _load_backends() -> None:
+    """A portable build (``AIOLLAMA_PORTABLE``) has its backends as libraries beside this package,
+    one per CPU variant (and GPU): ggml loads the best one for this machine. Other builds link
+    theirs in, and have them registered already."""
+    if lib.ggml_backend_reg_count() == 0:
+        lib.ggml_backend_load_all_from_path(os.fsencode(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
 verify_declarations(ffi, lib)
 lib.aiollama_log_install(3)
+_load_backends()
 lib.llama_backend_init()
 atexit.register(_shutdown)
