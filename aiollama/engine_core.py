@@ -75,7 +75,8 @@ class EngineCore:
                                    n_batch=executor.n_batch,
                                    step_tokens=config.step_tokens, max_running=config.n_seq_max,
                                    host_bytes=config.host_cache_bytes, can_shift=executor.can_shift,
-                                   ordered=config.deterministic, draft_model=config.draft_model is not None)
+                                   ordered=config.deterministic, draft_model=config.draft_model is not None,
+                                   kv_unified=executor.kv_unified)
         self.outbox = Outbox()
         self.generations = Generations(admission, self.outbox, executor.n_ctx)
         self.prefilling: frozenset[int] = frozenset()  # a cancel of these aborts the running decode

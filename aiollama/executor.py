@@ -186,6 +186,7 @@ class NativeExecutor:
         self.n_ctx, self.n_seq_max, self.n_batch = self.ctx.n_ctx_seq, self.ctx.n_seq_max, self.ctx.n_batch
         # a split cache: each seq id's cells are its own, n_ctx_seq of them
         self.n_cells = self.ctx.n_ctx if self.ctx.kv_unified else self.ctx.n_ctx_seq * self.n_seq_max
+        self.kv_unified = self.ctx.kv_unified
         self.can_shift = self.ctx.can_shift
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model)
         self._samplers: dict[int, _Sampler] = {}

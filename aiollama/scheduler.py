@@ -32,7 +32,15 @@ Policy, in the order it is applied each step:
    chunks shrink, then
    the most recently started stream of the lowest priority is preempted: parked too, it keeps its
    tokens and resumes first among its equals when room returns.
-5. Lockstep. A generation guided by another sequence (classifier-free guidance) samples only in a
+5. Idle cells under load (a unified cache only). Every step's attention in a unified cache passes
+   over every used cell, so cells that only idle holders hold (idle conversations, cache entries)
+   slow every running stream, more the more the cache has served. Whenever generations have just
+   ended or started while others run, idle holders give back the cells only they hold, least
+   recently used first, until at most ``IDLE_CELLS`` are left (parked in host memory when it has
+   room, so a later conversation that starts with them gets them back by a copy, not an
+   evaluation). With nothing running they stay: they cost nothing then. A split cache gives each
+   seq id cells of its own that no other sequence's attention reads, so there they stay too.
+6. Lockstep. A generation guided by another sequence (classifier-free guidance) samples only in a
    step where both have logits: the two are admitted, preempted and finished together, and a
    slice of one that would give logits without the other waits (a prompt chunk keeps its last
    token back).
@@ -48,7 +56,7 @@ from aiollama import speculation
 from aiollama.errors import ContextFull, InvalidRequestError
 from aiollama.hostcache import HostCache
 from aiollama.kvcache import MIN_PARK_TOKENS, KVManager, Phase, SeqState, unique_cells
-from aiollama.kvtree import common_prefix
+from aiollama.kvtree import Span, common_prefix
 from aiollama.speculation import DraftLength
 from aiollama.step import Op, Plan, Slice, StepResult, StepStatus
 
@@ -63,6 +71,9 @@ MIN_RESTORE_GAIN = 16
 MAX_DRAFT_ROWS = 32
 # A waiting generation's priority improves by one every this many seconds: nothing waits forever.
 AGING_SECONDS = 5.0
+# In a unified cache, the cells idle holders may keep while generations run (llama.cpp pads the
+# span of a step's attention to 256 cells anyway).
+IDLE_CELLS = 256
 
 __all__ = ["MIN_PREFILL_CHUNK", "Scheduler", "common_prefix"]
 
@@ -73,13 +84,14 @@ class Scheduler:
     ``n_seq_max`` is how many seq ids the context has (holders of cached prefixes included);
     ``max_running`` how many sequences may generate at once (default: all of them). ``ordered``
     keeps each sequence's cells in position order (the deterministic mode; see
-    :mod:`aiollama.kvcache`). ``draft_model``: drafting streams leave their drafts to the
+    :mod:`aiollama.kvcache`). ``kv_unified``: one pool of cells for every seq id, over which each
+    step's attention passes (idle cells are then given back under load). ``draft_model``: drafting streams leave their drafts to the
     executor's draft model (the slice says how many tokens it may add) instead of n-grams.
     """
 
     def __init__(self, *, n_ctx: int, n_seq_max: int, n_batch: int, step_tokens: int, n_cells: int | None = None,
                  max_running: int | None = None, host_bytes: int = 0, can_shift: bool = True,
-                 ordered: bool = False, draft_model: bool = False,
+                 ordered: bool = False, draft_model: bool = False, kv_unified: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
@@ -101,6 +113,10 @@ class Scheduler:
         self._rr = 0
         self._clock = clock
         self._pairs = 0  # guided generations submitted and not finished
+        # unified: idle cells are given back under load, looked at when generations start or end
+        self._trims = kv_unified and not ordered
+        self._idle_changed = False
+        self.idle_trims = 0  # idle holders that gave their cells back so running streams stay fast
 
     # what callers asked for
 
@@ -204,6 +220,7 @@ class Scheduler:
         if seq.guide is not None:
             self._pairs -= 1
         seq.guide = None
+        self._idle_changed = True
 
     def remove(self, conv: int) -> None:
         """The conversation is closed: its cached prefix stays as a cache entry."""
@@ -233,6 +250,9 @@ class Scheduler:
         parking, context shifts and preemptions are decided here, and their KV operations lead the
         plan."""
         self._admit()
+        if self._idle_changed and self._running:
+            self._idle_changed = False
+            self._trim_idle()
         slices = self._fit(self._slices())
         if self._pairs:
             slices = self._lockstep(slices)
@@ -318,6 +338,7 @@ class Scheduler:
             if not all(s.seq_id is not None or self.kv.assign(s) for s in group):
                 return  # a seq id this pair got stays with it (an idle holder's, until it runs)
             self._waiting.remove(seq)
+            self._idle_changed = True
             started = self.kv.tick()
             for s in group:
                 s.phase = Phase.RUNNING
@@ -332,6 +353,36 @@ class Scheduler:
                 s.prompt_evaluated += s.pending
                 if s.prompt_tokens < 0:
                     s.prompt_tokens, s.cached_tokens = len(s.tokens), s.n_cached
+
+    def _trim_idle(self) -> None:
+        """Unified cache under load: idle holders give back the cells only they hold, least
+        recently used first, until at most ``IDLE_CELLS`` cells are held by no running sequence."""
+        live: set[Span] = set()
+        n_live = 0
+        for seq in self._running:
+            span = seq.kv
+            while span is not None and span not in live:
+                live.add(span)
+                n_live += span.length
+                span = span.parent
+        idle = self.kv.cells.used - n_live
+        if idle <= IDLE_CELLS:
+            return
+        # least recently used first: first the cells each holds alone, then, for cells several
+        # idle holders share, whole holders
+        order = sorted((h for h in self.kv.holders() if h.phase is not Phase.RUNNING and h.kv is not None),
+                       key=lambda h: h.last_used)
+        for whole in (False, True):
+            for victim in order:
+                if idle <= IDLE_CELLS:
+                    return
+                if victim.seq_id is None or victim.kv is None or victim.kv in live \
+                        or (not whole and unique_cells(victim) == 0):
+                    continue  # gone already, or all it holds is held by running ones
+                used = self.kv.cells.used
+                self.kv.evict(victim, victim.n_cached if whole else idle - IDLE_CELLS, whole=whole)
+                idle -= used - self.kv.cells.used
+                self.idle_trims += 1
 
     def _find_prefix(self, seq: SeqState) -> None:
         """Share the longest cached prefix, restore a parked one, or arrange to wait for a longer

@@ -55,6 +55,7 @@ class NullExecutor:
     """Decodes nothing: every row with logits gets token 'a' at once."""
 
     can_shift = True
+    kv_unified = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.tokenizer = ByteTokenizer()

@@ -120,6 +120,7 @@ class FakeExecutor:
         self.kv = FakeKV(config.n_ctx, self.n_seq_max)
         self.fingerprint = {"model": "fake", "n_vocab": ByteTokenizer.n_vocab}
         self.can_shift = True
+        self.kv_unified = True
         self.eog_every = eog_every
         self.period = period
         self.fault = fault

@@ -19,9 +19,11 @@ class Harness:
     """Runs the scheduler against the fake KV; every sampled token is 1000 + step."""
 
     def __init__(self, n_ctx: int = 256, n_seq_max: int = 4, n_batch: int = 64, step_tokens: int = 32,
-                 max_running: int | None = None, host_bytes: int = 0, ordered: bool = False) -> None:
+                 max_running: int | None = None, host_bytes: int = 0, ordered: bool = False,
+                 kv_unified: bool = False) -> None:
         self.sched = Scheduler(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, step_tokens=step_tokens,
-                               max_running=max_running, host_bytes=host_bytes, ordered=ordered)
+                               max_running=max_running, host_bytes=host_bytes, ordered=ordered,
+                               kv_unified=kv_unified)
         self.kv = FakeKV(n_ctx, n_seq_max, ordered=ordered)
         self.generated: dict[int, list[int]] = {}
         self.limit: dict[int, int] = {}
@@ -340,3 +342,35 @@ def test_ordered_cells_count_the_draft_tokens_the_executor_removed() -> None:
     # one draft token taken, then another token chosen: the executor removed 3 draft cells
     sched.update(plan, StepResult(StepStatus.OK, (Sampled(1, 5, b"", False), Sampled(1, 9, b"", False))))
     assert sched.kv.holes == 3 and sched.get(1).n_cached == 11
+
+
+@pytest.mark.parametrize("host_bytes", [0, 1 << 20])
+def test_idle_cells_of_a_unified_cache_are_given_back_while_others_run(monkeypatch: pytest.MonkeyPatch,
+                                                                      host_bytes: int) -> None:
+    import aiollama.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "IDLE_CELLS", 8)
+    h = Harness(n_ctx=1024, n_seq_max=8, n_batch=64, step_tokens=64, host_bytes=host_bytes, kv_unified=True)
+    shared = list(range(1, 41))
+    h.start(1, shared + list(range(100, 140)), 4)  # 83 cells, the first 40 a system prompt
+    h.run()
+    assert h.sched.kv.cells.used == 83  # nothing runs: the idle keep everything
+    h.start(3, shared + list(range(300, 310)), 30)  # shares conversation 1's first 40 cells
+    h.step()
+    # while 3 runs, only what it holds and at most IDLE_CELLS more stay in the context
+    assert h.sched.kv.cells.used <= 40 + 10 + 8
+    assert h.sched.get(3).cached_tokens == 40
+    assert len(h.sched.kv.host) == (1 if host_bytes else 0)  # parked: a later hit is a copy
+    h.run()
+    h.start(1, None, 2)  # conversation 1 again, alone
+    h.run()
+    assert h.sched.get(1).cached_tokens == (83 if host_bytes else 40 + 8)  # 8: the idle cells kept
+
+
+def test_a_split_cache_keeps_its_idle_cells_under_load() -> None:
+    h = Harness(n_ctx=1024, n_seq_max=8, n_batch=64, step_tokens=64, kv_unified=False)
+    h.start(1, list(range(100, 140)), 4)
+    h.run()
+    h.start(3, list(range(300, 310)), 30)
+    h.step()
+    assert h.sched.kv.cells.used == 43 + 10  # each seq id's cells are its own: nobody's step reads them
