@@ -60,6 +60,10 @@ enum llama_load_mode {
 enum llama_flash_attn_type {
     LLAMA_FLASH_ATTN_TYPE_AUTO, LLAMA_FLASH_ATTN_TYPE_DISABLED, LLAMA_FLASH_ATTN_TYPE_ENABLED, ...
 };
+enum ggml_type {
+    GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
+    GGML_TYPE_Q8_0, GGML_TYPE_BF16, ...
+};
 enum llama_pooling_type {
     LLAMA_POOLING_TYPE_UNSPECIFIED, LLAMA_POOLING_TYPE_NONE, LLAMA_POOLING_TYPE_MEAN,
     LLAMA_POOLING_TYPE_CLS, LLAMA_POOLING_TYPE_LAST, LLAMA_POOLING_TYPE_RANK, ...
@@ -88,11 +92,19 @@ typedef struct llama_batch {
     int8_t       *  logits;
 } llama_batch;
 
+typedef struct ggml_backend_buffer_type * ggml_backend_buffer_type_t;
+struct llama_model_tensor_buft_override {
+    const char * pattern;
+    ggml_backend_buffer_type_t buft;
+};
+
 struct llama_model_params {
+    const struct llama_model_tensor_buft_override * tensor_buft_overrides;
     int32_t n_gpu_layers;
     enum llama_split_mode split_mode;
     enum llama_load_mode load_mode;
     int32_t main_gpu;
+    const float * tensor_split;
     bool vocab_only;
     bool check_tensors;
     bool use_extra_bufts;
@@ -109,6 +121,8 @@ struct llama_context_params {
     int32_t  n_threads_batch;
     enum llama_pooling_type pooling_type;
     enum llama_flash_attn_type flash_attn_type;
+    enum ggml_type type_k;
+    enum ggml_type type_v;
     ggml_abort_callback abort_callback;
     void * abort_callback_data;
     bool embeddings;
@@ -171,6 +185,8 @@ struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
 void llama_backend_init(void);
 void llama_backend_free(void);
 size_t llama_max_parallel_sequences(void);
+size_t llama_max_devices(void);
+size_t llama_max_tensor_buft_overrides(void);
 bool llama_supports_gpu_offload(void);
 const char * llama_print_system_info(void);
 
@@ -291,7 +307,6 @@ struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_
 /* devices and backends (ggml) */
 typedef struct ggml_backend_device * ggml_backend_dev_t;
 typedef struct ggml_backend_reg * ggml_backend_reg_t;
-typedef struct ggml_backend_buffer_type * ggml_backend_buffer_type_t;
 enum ggml_backend_dev_type {
     GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU,
     GGML_BACKEND_DEVICE_TYPE_ACCEL, ...
@@ -317,6 +332,8 @@ bool aiollama_abort_cb(void * data);
 void aiollama_flag_store(int * flag, int value);
 int aiollama_flag_load(int * flag);
 int32_t aiollama_extra_bufts(const char ** names, int32_t max);
+int32_t aiollama_fit(const char * path, struct llama_model_params * mparams, struct llama_context_params * cparams,
+                     float * tensor_split, struct llama_model_tensor_buft_override * overrides, size_t margin_bytes);
 void aiollama_log_install(int min_level);
 int32_t aiollama_reference_kernels(struct llama_context * ctx, bool on);
 void aiollama_sample_rows(struct llama_context * ctx, struct llama_sampler ** chains, const int32_t * rows,
@@ -424,6 +441,22 @@ static int32_t aiollama_extra_bufts(const char ** names, int32_t max) {
         ++n;
     }
     return n;
+}
+
+/* llama.cpp's fitting of a model to the free device memory, where the build has a GPU backend
+   (cmake/fit.cpp); -1 where it has none. */
+#if defined(AIOLLAMA_HAVE_FIT)
+int32_t aiollama_fit_impl(const char * path, struct llama_model_params * mparams, struct llama_context_params * cparams,
+                          float * tensor_split, struct llama_model_tensor_buft_override * overrides, size_t margin_bytes);
+#endif
+static int32_t aiollama_fit(const char * path, struct llama_model_params * mparams, struct llama_context_params * cparams,
+                            float * tensor_split, struct llama_model_tensor_buft_override * overrides, size_t margin_bytes) {
+#if defined(AIOLLAMA_HAVE_FIT)
+    return aiollama_fit_impl(path, mparams, cparams, tensor_split, overrides, margin_bytes);
+#else
+    (void) path; (void) mparams; (void) cparams; (void) tensor_split; (void) overrides; (void) margin_bytes;
+    return -1;
+#endif
 }
 
 static void aiollama_log_install(int min_level) {

@@ -32,6 +32,8 @@ _EXPORTS = {
     "Engine": "aiollama.engine",
     "SyncEngine": "aiollama.engine",
     "SamplingParams": "aiollama.sampling",
+    "Device": "aiollama.native.devices",
+    "devices": "aiollama.native.devices",
     "cache_dir": "aiollama.models",
     "default_model": "aiollama.models",
     "pull": "aiollama.models",
@@ -125,6 +127,10 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
         StateRestoreError as StateRestoreError,
         UnsupportedModel as UnsupportedModel,
         WrongEventLoop as WrongEventLoop,
+    )
+    from aiollama.native.devices import (
+        Device as Device,
+        devices as devices,
     )
     from aiollama.models import (
         cache_dir as cache_dir,

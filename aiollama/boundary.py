@@ -23,6 +23,9 @@ from aiollama.sampling import MAX_DRAFT_TOKENS, SamplingParams
 # a draft model's drafts, unless draft_tokens says otherwise
 DRAFT_MODEL_TOKENS = 8
 
+# the KV cache element types llama.cpp can use (llama-server's --cache-type-k/-v)
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
 # llama.cpp reserves an output row of n_vocab floats per seq id; the default spends this much on them.
 OUTPUT_ROWS_BYTES = 64 * 2**20
 
@@ -57,6 +60,11 @@ class EngineConfig:
     ``deterministic`` makes each conversation's logits independent of what runs beside it (see the
     README's numerics section for what is and is not promised): ggml-cpu's reference kernels, flash
     attention, no repacked weights, each sequence's cells in position order; CPU only.
+    ``n_gpu_layers`` is how many layers go to the GPU: ``"auto"`` (the default) as many as fit
+    (llama.cpp's own fitting, as ``llama-server -ngl auto``; none in a build or on a machine without
+    a GPU), -1 all of them, 0 none. ``cache_type_k`` and ``cache_type_v`` are the KV cache's element
+    types (f16, q8_0, q4_0...; a quantized V cache needs flash attention); ``flash_attn`` None lets
+    llama.cpp choose.
     ``kv_unified`` False splits the cache: each seq id gets ``n_ctx`` / (its number of ids) cells of
     its own (``n_seq_max`` ids, plus ``cache_seq_ids``, which then defaults to 0). A step's attention
     then reads each sequence's own cells instead of passing over everyone's, which is faster with
@@ -70,7 +78,7 @@ class EngineConfig:
     n_batch: int = 512
     step_tokens: int = 256
     n_threads: int | None = None
-    n_gpu_layers: int = 0
+    n_gpu_layers: int | str = "auto"
     max_queued: int = 1024
     cache_seq_ids: int | None = None
     host_cache_bytes: int = 2 * 2**30
@@ -81,6 +89,9 @@ class EngineConfig:
     deterministic: bool = False
     backend_sampling: bool = False
     kv_unified: bool = True
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: bool | None = None
 
     def __post_init__(self) -> None:
         integer("n_ctx", self.n_ctx, low=1)
@@ -89,7 +100,15 @@ class EngineConfig:
         integer("step_tokens", self.step_tokens, low=1)
         if self.n_threads is not None:
             integer("n_threads", self.n_threads, low=1)
-        integer("n_gpu_layers", self.n_gpu_layers, low=-1)
+        if self.n_gpu_layers != "auto":
+            integer("n_gpu_layers", self.n_gpu_layers, low=-1)
+        for name in ("cache_type_k", "cache_type_v"):
+            if getattr(self, name) not in CACHE_TYPES:
+                raise InvalidRequestError(f"{name} must be one of {', '.join(CACHE_TYPES)}, got {getattr(self, name)!r}")
+        if self.flash_attn is not None and not isinstance(self.flash_attn, bool):
+            raise InvalidRequestError(f"flash_attn must be True, False or None, got {self.flash_attn!r}")
+        if self.flash_attn is False and self.cache_type_v not in ("f32", "f16", "bf16"):
+            raise InvalidRequestError(f"a {self.cache_type_v} V cache needs flash attention: give flash_attn=True or None")
         integer("max_queued", self.max_queued, low=0)
         if self.cache_seq_ids is not None:
             integer("cache_seq_ids", self.cache_seq_ids, low=0)
@@ -106,8 +125,10 @@ class EngineConfig:
             raise InvalidRequestError(f"kv_unified must be a bool, got {self.kv_unified!r}")
         if self.deterministic and not self.kv_unified:
             raise InvalidRequestError("deterministic mode keeps its cells in one unified cache: give kv_unified=True")
-        if self.deterministic and self.n_gpu_layers != 0:
+        if self.deterministic and self.n_gpu_layers not in (0, "auto"):
             raise InvalidRequestError("deterministic mode runs on the CPU: give n_gpu_layers=0")
+        if self.deterministic and (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+            raise InvalidRequestError("deterministic mode keeps an f16 KV cache")
         if self.model_path is not None:
             object.__setattr__(self, "model_path", Path(self.model_path))
         if self.draft_model is not None:
@@ -434,6 +455,8 @@ class Statistics:
     evictions: int = 0  # idle holders that gave cells back
     preemptions: int = 0  # running streams stopped to free cells
     compactions: int = 0  # deterministic mode: the cache re-laid to reclaim freed cells
+    weights_device: str = "CPU"  # where the weights are: CPU, CUDA0, or "CUDA0 (20 of 31 layers), CPU"
+    kv_device: str = "CPU"  # where the KV cache is (each layer's beside its weights)
 
     @property
     def python_overhead(self) -> float:

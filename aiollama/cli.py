@@ -72,7 +72,8 @@ def _serve(args: argparse.Namespace) -> int:
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                      host_cache_bytes=args.host_cache_mib << 20, draft_tokens=args.draft_tokens,
                      draft_model=args.draft_model, deterministic=args.deterministic,
-                     backend_sampling=args.backend_sampling, kv_unified=not args.split_cache)
+                     backend_sampling=args.backend_sampling, kv_unified=not args.split_cache,
+                     cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, flash_attn=args.flash_attn)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
 
@@ -93,12 +94,13 @@ def _serve_replicas(args: argparse.Namespace) -> int:
     options = {"n_ctx": args.n_ctx, "max_queued": args.max_queued, "n_gpu_layers": args.n_gpu_layers,
                "host_cache_bytes": args.host_cache_mib << 20, "draft_tokens": args.draft_tokens,
                "deterministic": args.deterministic, "backend_sampling": args.backend_sampling,
-               "kv_unified": not args.split_cache}
+               "kv_unified": not args.split_cache, "cache_type_k": args.cache_type_k,
+               "cache_type_v": args.cache_type_v, "flash_attn": args.flash_attn}
     if args.draft_model is not None:
         options["draft_model"] = args.draft_model
     if args.threads is not None:
         options["n_threads"] = args.threads
-    gpus = {"num_gpus": 1} if args.n_gpu_layers != 0 else {}
+    gpus = {"num_gpus": 1} if args.n_gpu_layers != 0 and _has_gpu() else {}
     serve.run(build_app(args.model, replicas=args.replicas, n_seq_max=args.n_seq_max, ray_actor_options=gpus,
                         **options), name="aiollama", route_prefix="/")
     print(f"aiollama: {args.replicas} replicas on http://{args.host}:{args.port} (Ctrl-C stops)", file=sys.stderr)
@@ -111,6 +113,12 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
     return 0
+
+
+def _has_gpu() -> bool:
+    from aiollama import devices
+
+    return any(d.kind in ("gpu", "igpu") for d in devices())
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -129,6 +137,27 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if text == "all":
+        return -1
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"auto, all or a number of layers, not {text!r}") from None
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"a number of layers is -1 (all) or more, not {value}")
+    return value
+
+
+def _switch(text: str) -> bool | None:
+    choices: dict[str, bool | None] = {"on": True, "off": False, "auto": None}
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"on, off or auto, not {text!r}")
+    return choices[text]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="aiollama", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
@@ -142,7 +171,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--n-ctx", type=int, default=EngineConfig.n_ctx)
     run.add_argument("--n-seq-max", type=int, default=1)
-    run.add_argument("--n-gpu-layers", type=int, default=EngineConfig.n_gpu_layers, help="layers to offload (-1: all)")
+    run.add_argument("--n-gpu-layers", type=_layers, default=EngineConfig.n_gpu_layers,
+                     help="layers on the GPU: auto (as many as fit), N, or -1 for all (default: auto)")
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server")
     serve.add_argument("model", nargs="?", type=Path, default=None, help="the GGUF file (default model if omitted)")
@@ -155,8 +185,15 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: the CPUs this process may use)")
     serve.add_argument("--host-cache-mib", type=int, default=EngineConfig.host_cache_bytes >> 20,
                        help="host memory for parked KV states, MiB (0: off)")
-    serve.add_argument("--n-gpu-layers", type=int, default=EngineConfig.n_gpu_layers,
-                       help="layers to offload (-1: all)")
+    serve.add_argument("--n-gpu-layers", "-ngl", type=_layers, default=EngineConfig.n_gpu_layers,
+                       help="layers on the GPU: auto (as many as fit, with llama.cpp's own fitting), N, or -1 "
+                            "for all; 0 keeps everything on the CPU (default: auto)")
+    serve.add_argument("--cache-type-k", "-ctk", default=EngineConfig.cache_type_k,
+                       help="the KV cache's key type: f16, bf16, f32, q8_0, q5_1, q5_0, q4_1, q4_0 (default: f16)")
+    serve.add_argument("--cache-type-v", "-ctv", default=EngineConfig.cache_type_v,
+                       help="the KV cache's value type, as the key's (a quantized one needs flash attention)")
+    serve.add_argument("--flash-attn", "-fa", type=_switch, default=EngineConfig.flash_attn,
+                       help="flash attention: on, off or auto (default: auto, llama.cpp chooses)")
     serve.add_argument("--draft-tokens", type=int, default=EngineConfig.draft_tokens,
                        help="speculation: draft up to this many tokens a step (0: off, or the engine's "
                             "default with --draft-model)")

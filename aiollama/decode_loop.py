@@ -37,6 +37,12 @@ from aiollama.step import Executor, Tokenizer
 
 _live_loops: weakref.WeakSet[DecodeLoop] = weakref.WeakSet()
 
+# The decode thread's stack. It loads the model, and llama.cpp's tokenizer (run while its
+# vocabulary loads) compiles and runs std::regex, whose recursion needs more than the smallest
+# thread stacks some systems give; a stack is address space, reserved and only used as needed.
+DECODE_STACK_BYTES = 64 * 2**20
+_stack_size_lock = threading.Lock()  # threading.stack_size is process-wide
+
 
 @atexit.register
 def _stop_live_loops() -> None:
@@ -70,7 +76,12 @@ class DecodeLoop:
 
     def start(self) -> None:
         _live_loops.add(self)
-        self._thread.start()
+        with _stack_size_lock:
+            previous = threading.stack_size(DECODE_STACK_BYTES)
+            try:
+                self._thread.start()
+            finally:
+                threading.stack_size(previous)
 
     def wait_ready(self) -> None:
         """Block until the executor is open; re-raise what opening it raised."""

@@ -323,5 +323,6 @@ class EngineCore:
             step_seconds=c.step_seconds, step_histogram=tuple(self._step_counts),
             cache_hit_tokens=sched.cache_hit_tokens, parked=len(kv.host), parked_bytes=kv.host.used_bytes,
             parks=kv.parks, restores=kv.restores, evictions=kv.evictions, preemptions=sched.preemptions,
-            compactions=kv.compactions)
+            compactions=kv.compactions, weights_device=self.executor.placement,
+            kv_device=self.executor.placement)
 

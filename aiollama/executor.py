@@ -27,7 +27,8 @@ from aiollama.embedder import Embedder, is_embedding_model
 from aiollama.errors import DecodeError, InvalidRequestError, LogitsProcessorError, StateRestoreError, UnsupportedModel
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus, sample_rows
 from aiollama.native import seqstate
-from aiollama.native.binding import lib
+from aiollama.native.context import context_params
+from aiollama.native.devices import fit, placement
 from aiollama.native.sampler import DEFAULT_SEED, attach
 from aiollama.ordered import OrderedCells
 from aiollama.sampling import LogitsProcessor, SamplingParams
@@ -70,16 +71,33 @@ def build_chain(vocab: Vocab, params: SamplingParams, history: Sequence[int]) ->
         raise
 
 
-def fingerprint(model: Model) -> dict[str, str | int]:
+def load_model(config: EngineConfig, path: Path) -> Model:
+    """The model, its layers on the GPU as ``config.n_gpu_layers`` says: "auto" fits as many as
+    leave room for a context of the configured shape (none without a GPU, and none in the
+    deterministic mode, which runs on the CPU)."""
+    if config.n_gpu_layers != "auto":
+        return Model(path, n_gpu_layers=int(config.n_gpu_layers), repack=not config.deterministic)
+    if config.deterministic:
+        return Model(path, n_gpu_layers=0, repack=False)
+    # the seq ids are known once the vocabulary is: their output rows weigh little beside the cache
+    shape = context_params(n_ctx=config.n_ctx, n_batch=config.n_batch,
+                           n_seq_max=min(MAX_SEQ, config.n_seq_max + (config.cache_seq_ids or 32)),
+                           n_threads=config.n_threads, kv_unified=config.kv_unified, flash_attn=config.flash_attn,
+                           cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v)
+    return Model(path, fitted=fit(path, shape))
+
+
+def fingerprint(model: Model, cache_types: tuple[str, str] = ("f16", "f16")) -> dict[str, str | int]:
     """What a saved sequence state must match to be put back: the model (its description, sizes and
-    vocabulary) and the layout of its cache."""
+    vocabulary) and the layout of its cache (the element types of its keys and values)."""
     vocab = model.vocab
     texts = hashlib.sha256()
     for token in range(vocab.n_tokens):
         texts.update(vocab.token_text(token).encode() + b"\0")
     return {"model": model.description(), "n_params": model.n_params, "size": model.size,
             "n_vocab": vocab.n_tokens, "n_embd": model.n_embd, "n_layer": model.n_layer,
-            "vocab_sha256": texts.hexdigest(), "kv": "f16,unified"}
+            "vocab_sha256": texts.hexdigest(),
+            "kv": f"{'f16' if cache_types == ('f16', 'f16') else '/'.join(cache_types)},unified"}
 
 
 @dataclass(eq=False)
@@ -147,8 +165,7 @@ class NativeExecutor:
 
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
         with contextlib.ExitStack() as stack:
-            self.model: Model = stack.enter_context(Model(model_path, n_gpu_layers=config.n_gpu_layers,
-                                                          repack=not config.deterministic))
+            self.model: Model = stack.enter_context(load_model(config, model_path))
             if self.model.is_recurrent:
                 raise UnsupportedModel(
                     f"{model_path.name} is a recurrent or hybrid model; its memory cannot drop the end "
@@ -169,18 +186,22 @@ class NativeExecutor:
                 self.ctx = stack.enter_context(Context(
                     self.model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=ids,
                     n_threads=config.n_threads, kv_unified=config.kv_unified,
-                    flash_attn=True if config.deterministic else None,
+                    flash_attn=True if config.deterministic else config.flash_attn,
+                    cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v,
                     reference_kernels=config.deterministic))
                 self.batch = stack.enter_context(Batch(self.ctx.n_batch))
             self._drafter: Drafter | None = None
             if config.draft_model is not None and not self.embeds_only:
                 self._drafter = Drafter(config.draft_model, self.model.vocab, n_ctx=config.n_ctx,
                                         n_batch=self.ctx.n_batch, n_seq_max=self.ctx.n_seq_max,
-                                        n_threads=config.n_threads, n_gpu_layers=config.n_gpu_layers)
+                                        n_threads=config.n_threads,
+                                        n_gpu_layers=-1 if self.model.n_gpu_layers != 0 else 0)
                 stack.callback(self._drafter.close)
             self._handles = stack.pop_all()
         self._threads = config.n_threads
-        self._gpu_decodes = config.n_gpu_layers != 0 and bool(lib.llama_supports_gpu_offload())
+        # where the weights are; the KV cache of each layer is where its weights are (offload_kqv)
+        self.placement = placement(self.model.n_gpu_layers, self.model.n_layer)
+        self._gpu_decodes = self.placement != "CPU"
         self.vocab = self.model.vocab
         self.tokenizer: Tokenizer = VocabTokenizer(self.vocab)
         self.n_ctx, self.n_seq_max, self.n_batch = self.ctx.n_ctx_seq, self.ctx.n_seq_max, self.ctx.n_batch
@@ -188,7 +209,7 @@ class NativeExecutor:
         self.n_cells = self.ctx.n_ctx if self.ctx.kv_unified else self.ctx.n_ctx_seq * self.n_seq_max
         self.kv_unified = self.ctx.kv_unified
         self.can_shift = self.ctx.can_shift
-        self.fingerprint: Mapping[str, str | int] = fingerprint(self.model)
+        self.fingerprint: Mapping[str, str | int] = fingerprint(self.model, (config.cache_type_k, config.cache_type_v))
         self._samplers: dict[int, _Sampler] = {}
         self._masks: Masks | None = None
         self._rows: dict[int, int] = {}  # conv -> the logits row of a guiding sequence in this step

@@ -236,6 +236,7 @@ class Executor(Protocol):
     n_ctx: int  # the tokens one conversation can hold
     n_cells: int  # the KV cells of all seq ids together (n_ctx in a unified cache)
     kv_unified: bool  # one pool of cells for every seq id: each step's attention passes over all used ones
+    placement: str  # where the weights and the KV cache are: CPU, CUDA0, or "CUDA0 (20 of 31 layers), CPU"
     n_seq_max: int
     n_batch: int
     tokenizer: Tokenizer

@@ -56,6 +56,7 @@ class NullExecutor:
 
     can_shift = True
     kv_unified = True
+    placement = "CPU"
 
     def __init__(self, config: EngineConfig) -> None:
         self.tokenizer = ByteTokenizer()

@@ -121,6 +121,7 @@ class FakeExecutor:
         self.fingerprint = {"model": "fake", "n_vocab": ByteTokenizer.n_vocab}
         self.can_shift = True
         self.kv_unified = True
+        self.placement = "CPU"
         self.eog_every = eog_every
         self.period = period
         self.fault = fault

@@ -17,11 +17,14 @@ from typing import Any
 try:
     from aiollama._llama_cffi import ffi, lib
 except ImportError as exc:  # pragma: no cover - depends on how the package was installed
-    raise ImportError(
-        "aiollama's native extension is missing. Install the package (pip install .) and run it "
-        "from outside the source tree: with the repository root on sys.path (python -m pytest), "
-        "Python imports the uncompiled sources instead of the installed package."
-    ) from exc
+    if isinstance(exc, ModuleNotFoundError):
+        raise ImportError(
+            "aiollama's native extension is missing. Install the package (pip install .) and run it "
+            "from outside the source tree: with the repository root on sys.path (python -m pytest), "
+            "Python imports the uncompiled sources instead of the installed package."
+        ) from exc
+    # the extension is there but a library it needs is not (a GPU runtime, say)
+    raise ImportError(f"aiollama's native extension could not be loaded: {exc}") from exc
 
 __all__ = ["ffi", "lib", "recent_errors", "set_log_level"]
 
@@ -97,9 +100,11 @@ def _shutdown() -> None:
 
 
 def _load_backends() -> None:
-    """A portable build (``AIOLLAMA_PORTABLE``) has its backends as libraries beside this package,
-    one per CPU variant (and GPU): ggml loads the best one for this machine. Other builds link
-    theirs in, and have them registered already."""
+    """Set up ggml's backends on the importing thread, before any other call: a portable build
+    (``AIOLLAMA_PORTABLE``) has them as libraries beside this package, one per CPU variant (and
+    GPU), and ggml loads the best for this machine; other builds link them in, and asking for their
+    count registers them (a GPU backend initializes its runtime then), so that a decode thread
+    later finds them ready."""
     if lib.ggml_backend_reg_count() == 0:
         lib.ggml_backend_load_all_from_path(os.fsencode(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -18,6 +18,7 @@ from aiollama.errors import (
     ModelNotFound,
 )
 from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
+from aiollama.native.devices import Fitted
 from aiollama.native.handle import Handle, count
 
 GGUF_MAGIC = b"GGUF"
@@ -60,12 +61,17 @@ class Model(Handle):
         vocab_only: bool = False,
         use_mmap: bool = True,
         repack: bool = True,
+        fitted: Fitted | None = None,
     ) -> None:
         self.path = os.fspath(path)
         integer("n_gpu_layers", n_gpu_layers, low=-1)
         _check_gguf(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        if fitted is not None:  # what devices.fit chose (n_gpu_layers, and any split of the tensors)
+            fitted.apply(params)
+        self._fitted = fitted
+        self.n_gpu_layers: int = params.n_gpu_layers
         params.vocab_only = vocab_only
         params.load_mode = lib.LLAMA_LOAD_MODE_AUTO if use_mmap else lib.LLAMA_LOAD_MODE_NONE
         params.use_extra_bufts = repack  # repacked weights run rows in groups of 4 (batch-shape dependent)

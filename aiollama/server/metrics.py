@@ -57,6 +57,11 @@ class EngineCollector(Collector):
             ("preemptions", "Running generations stopped to free KV cells", s.preemptions),
         ]:
             yield CounterMetricFamily(f"aiollama_{name}", help_text, value=value)
+        # where the engine computes, as a labelled constant (Prometheus' "info" pattern)
+        placed = GaugeMetricFamily("aiollama_device_info", "Where the weights and the KV cache are",
+                                   labels=["weights", "kv_cache"])
+        placed.add_metric([s.weights_device, s.kv_device], 1)
+        yield placed
         if s.step_histogram:
             cumulative = list(itertools.accumulate(s.step_histogram))
             buckets = [(str(b), n) for b, n in zip(s.step_buckets, cumulative)]
