@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import aiollama  # noqa: E402
 import tools  # noqa: E402
 from aiollama.native import Model, available_cpus  # noqa: E402
 from common import machine, save_results  # noqa: E402
-from server import LlamaServer, _free_port  # noqa: E402
+from server import AiollamaServer, LlamaServer  # noqa: E402
 
 SYSTEM = ("You are a patient storyteller who answers in short paragraphs. You keep track of every "
           "character and place the user mentions, and you never contradict what was said before. ")
@@ -49,37 +48,6 @@ TURNS = [
     "What happens when the storm ends?",
     "End the story in two sentences.",
 ]
-
-
-class AiollamaServer:
-    """``aiollama serve`` in a process of its own, as a user starts it."""
-
-    def __init__(self, model: Path, *, n_seq_max: int, n_ctx: int, threads: int) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "aiollama", "serve", str(model), "--port", str(self.port),
-                    "--n-seq-max", str(n_seq_max), "--n-ctx", str(n_ctx), "--threads", str(threads),
-                    "--log-level", "warning"]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> AiollamaServer:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"aiollama serve exited: {self.proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("aiollama serve did not become healthy in 120 s")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
 
 
 async def chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import TracebackType
@@ -65,6 +66,37 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class AiollamaServer:
+    """``aiollama serve`` in a process of its own, as a user starts it."""
+
+    def __init__(self, model: Path, *, n_seq_max: int, n_ctx: int, threads: int) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "aiollama", "serve", str(model), "--port", str(self.port),
+                    "--n-seq-max", str(n_seq_max), "--n-ctx", str(n_ctx), "--threads", str(threads),
+                    "--log-level", "warning"]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> AiollamaServer:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"aiollama serve exited: {self.proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("aiollama serve did not become healthy in 120 s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
 
 
 SAMPLING: dict[str, Any] = {"ignore_eos": True, "temperature": 0.7}  # the throughput scenarios'

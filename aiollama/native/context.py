@@ -251,9 +251,9 @@ class Context(Handle):
                     f"the batch starts it at {first} (expected {pos_max + 1})")
 
     def decode(self, batch: Batch, before: Callable[[], None] | None = None) -> DecodeStatus:
-        """Run one ``llama_decode`` over ``batch``. The GIL is released while it runs; ``before`` is
-        called just before it starts, once the batch has been checked (to wake another thread that
-        can then run while this one computes).
+        """Run one ``llama_decode`` over ``batch`` and wait for it to finish (on a GPU too). The GIL
+        is released while it runs; ``before`` is called just before it starts, once the batch has
+        been checked (to wake another thread that can then run while this one computes).
 
         Raises InvalidBatchError, InvalidTokenError or InvalidSeqIdError for a batch llama.cpp would
         abort on or reject; nothing is decoded (and ``before`` is not called) then.
@@ -266,6 +266,9 @@ class Context(Handle):
         if before is not None:
             before()
         status = DecodeStatus(lib.llama_decode(ptr, c))
+        # A GPU decode returns once its graph is queued; wait here, so that the decode's time is
+        # the decode's (the first read of its logits would wait anyway)
+        lib.llama_synchronize(ptr)
         if status is DecodeStatus.OK:
             self._outputs = frozenset(batch.outputs)
         return status

@@ -1,0 +1,202 @@
+"""Steady state: the same load round after round on one warm engine, and a server under continuous
+arrivals, each side by side with llama-server in the same run.
+
+    pip install ".[bench,server]" && python benchmarks/steady.py       # about 20 minutes on 2 cores
+
+1. Rounds. N streams of distinct prompts (64 tokens), T new tokens each at temperature 0.7, EOG
+   ignored, then the same load again with new prompts, ``--rounds`` times, on one engine whose
+   prefix cache keeps what it served, and on one llama-server process (its default split cache, a
+   slot per stream). The contenders take turns round by round. Reported: tokens/s per round and
+   last/first. SmolLM2 and the fast model, at 8 and 32 streams.
+2. Continuous arrivals. ``aiollama serve`` and llama-server, one process each, alone: 8 HTTP
+   clients each send one ``/v1/completions`` request after another (distinct prompts, 64 tokens,
+   the end-of-generation tokens banned by ``logit_bias`` on both sides), for ``--windows`` windows
+   of ``--window`` seconds; tokens/s per window (a request's tokens count in the window it ends in).
+
+Results go to benchmarks/results/<date>-<machine>-<cpus>cpu-steady.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import aiollama  # noqa: E402
+import fast_model  # noqa: E402
+import tools  # noqa: E402
+from aiollama.native import Model, available_cpus  # noqa: E402
+from common import machine, prompts, save_results  # noqa: E402
+from scenarios import aiollama_streams, engine  # noqa: E402
+from server import AiollamaServer, LlamaServer, run_clients  # noqa: E402
+
+PROMPT = 64
+ARRIVAL_TOKENS = 64
+CLIENTS = 8
+
+
+def _tps(timings: list[Any], wall: float) -> float:
+    return sum(len(t.arrivals) for t in timings) / wall
+
+
+async def rounds(model: Path, threads: int, n: int, new: int, n_rounds: int, n_vocab: int,
+                 server_bin: Path | None) -> dict[str, list[float]]:
+    """tokens/s per round for each contender, one long-lived engine or process each, taking turns."""
+    n_ctx = max(8192, 4 * n * (PROMPT + new))  # room for several rounds of cache
+    out: dict[str, list[float]] = {"aiollama": [], "aiollama_split": []}
+    contenders: dict[str, Any] = {
+        "aiollama": engine(model, threads, n_seq_max=n, n_ctx=n_ctx),
+        "aiollama_split": engine(model, threads, n_seq_max=n, n_ctx=n_ctx, unified=False),
+    }
+    server = LlamaServer(server_bin, model, n_parallel=n, n_ctx=n_ctx, threads=threads, unified=False) \
+        if server_bin is not None else None
+    warm = prompts(1, PROMPT, n_vocab, seed=99)
+    for e in contenders.values():
+        await e.start()
+        await aiollama_streams(e, warm, 8)
+    try:
+        if server is not None:
+            server.__enter__()
+            out["llama_server"] = []
+            await run_clients(server.url, warm, 8)
+        for r in range(n_rounds):
+            batch = prompts(n, PROMPT, n_vocab, seed=1000 * (r + 1) + n)  # distinct prompts every round
+            for name, e in contenders.items():
+                start = time.perf_counter()
+                timings = await aiollama_streams(e, batch, new)
+                out[name].append(_tps(timings, time.perf_counter() - start))
+            if server is not None:
+                start = time.perf_counter()
+                timings = await run_clients(server.url, batch, new)
+                out["llama_server"].append(_tps(timings, time.perf_counter() - start))
+            print(f"  {model.name} n={n} round {r + 1}: " +
+                  ", ".join(f"{k} {v[-1]:.0f}" for k, v in out.items()), flush=True)
+        for name, e in contenders.items():
+            st = e.statistics()
+            out[name + "_cells"] = [float(st.kv_cells_used), float(st.kv_cells_total)]
+    finally:
+        for e in contenders.values():
+            await e.aclose()
+        if server is not None:
+            server.__exit__(None, None, None)
+    return out
+
+
+async def arrivals(url: str, n_vocab: int, windows: int, window: float, banned: list[int]) -> list[float]:
+    """CLIENTS clients sending one completion after another; tokens/s in each window."""
+    counter = itertools.count()
+    start = time.perf_counter()
+    end = start + windows * window
+    per_window = [0] * windows
+
+    async def client_loop(client: httpx.AsyncClient, i: int) -> None:
+        while time.perf_counter() < end:
+            k = next(counter)
+            body = {"model": "m", "prompt": prompts(1, PROMPT, n_vocab, seed=50_000 + k)[0],
+                    "max_tokens": ARRIVAL_TOKENS, "temperature": 0.7, "seed": k,
+                    "logit_bias": {str(t): -100 for t in banned}}
+            r = await client.post(url + "/v1/completions", json=body, timeout=None)
+            r.raise_for_status()
+            done = time.perf_counter()
+            slot = int((done - start) / window)
+            if slot < windows:
+                per_window[slot] += r.json()["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=CLIENTS + 2)) as client:
+        async with anyio.create_task_group() as tg:
+            for i in range(CLIENTS):
+                tg.start_soon(client_loop, client, i)
+    return [t / window for t in per_window]
+
+
+def eog_tokens(model: Path) -> list[int]:
+    with Model(model) as m:
+        return [t for t in range(m.vocab.n_tokens) if m.vocab.is_eog(t)]
+
+
+def ratio(a: list[float]) -> float:
+    return a[-1] / a[0] if a and a[0] else float("nan")
+
+
+def report(r: dict[str, Any]) -> str:
+    lines = [f"Measured {r['date']} on {r['machine']['cpu']} ({r['machine']['cpus']} CPUs), "
+             f"{r['threads']} threads; every round {PROMPT}-token distinct prompts, temperature 0.7, EOG ignored.",
+             "", "**Rounds on one warm engine / one llama-server process** (tokens/s per round; last/first)", "",
+             "| model | streams x tokens | contender | rounds | last/first | last vs llama-server |",
+             "|---|---|---|---|---:|---:|"]
+    for key, res in r["rounds"].items():
+        model, n, new = key.split("|")
+        server_last = res.get("llama_server", [0.0])[-1]
+        for name in ("aiollama", "aiollama_split", "llama_server"):
+            if name not in res:
+                continue
+            v = res[name]
+            vs = f"{v[-1] / server_last:.2f}" if server_last and name != "llama_server" else ""
+            lines.append(f"| {model} | {n} x {new} | {name} | {' / '.join(f'{x:.0f}' for x in v)} | "
+                         f"{ratio(v):.2f} | {vs} |")
+    if r.get("arrivals"):
+        lines += ["", f"**Continuous arrivals**: {CLIENTS} clients, one request after another, {ARRIVAL_TOKENS} tokens "
+                  f"each (EOG banned), SmolLM2; tokens/s per {r['window']:.0f}-s window", "",
+                  "| server | " + " | ".join(f"window {i + 1}" for i in range(r["windows"])) + " | last/first |",
+                  "|---|" + "---:|" * (r["windows"] + 1)]
+        for name, v in r["arrivals"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{x:.0f}" for x in v) + f" | {ratio(v):.2f} |")
+        a, s = r["arrivals"].get("aiollama serve"), r["arrivals"].get("llama-server")
+        if a and s:
+            lines.append("| aiollama / llama-server | " + " | ".join(f"{x / y:.2f}" if y else "" for x, y in zip(a, s))
+                         + " | |")
+    return "\n".join(lines) + "\n"
+
+
+async def main(args: argparse.Namespace) -> int:
+    threads = args.threads or available_cpus()
+    smollm2 = aiollama.pull()
+    models = {"smollm2": smollm2, "fast": fast_model.path()}
+    with Model(smollm2) as m:
+        n_vocab = m.vocab.n_tokens
+    bins = None if args.no_server else tools.build(quiet=True)
+    server_bin = bins["llama-server"] if bins else None
+    r: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": machine(), "threads": threads,
+                         "rounds": {}, "arrivals": {}, "windows": args.windows, "window": args.window}
+    for name in args.models.split(","):
+        new = 96 if name == "smollm2" else 128
+        for n in (int(x) for x in args.levels.split(",")):
+            print(f"rounds: {name} {n} streams", flush=True)
+            r["rounds"][f"{name}|{n}|{new}"] = await rounds(models[name], threads, n, new, args.rounds, n_vocab,
+                                                           server_bin)
+    if args.windows and server_bin is not None:
+        banned = eog_tokens(smollm2)
+        n_ctx = 8192
+        for label, server in (("llama-server", LlamaServer(server_bin, smollm2, n_parallel=CLIENTS, n_ctx=n_ctx,
+                                                            threads=threads, unified=False)),
+                              ("aiollama serve", AiollamaServer(smollm2, n_seq_max=CLIENTS, n_ctx=n_ctx,
+                                                                threads=threads))):
+            print(f"arrivals: {label}", flush=True)
+            with server:
+                r["arrivals"][label] = await arrivals(server.url, n_vocab, args.windows, args.window, banned)
+            print("  ", [round(x) for x in r["arrivals"][label]], flush=True)
+    save_results(r, "steady" if not args.tag else f"steady-{args.tag}", report(r))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, help="llama.cpp threads (default: usable CPUs)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--levels", default="8,32")
+    parser.add_argument("--models", default="smollm2,fast")
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--window", type=float, default=45.0)
+    parser.add_argument("--no-server", action="store_true", help="aiollama only (no llama.cpp tools to build)")
+    parser.add_argument("--tag", default="", help="a suffix for the results' file names")
+    sys.exit(anyio.run(main, parser.parse_args()))
