@@ -11,7 +11,8 @@
 # logs and results go, default /tmp/aiollama-gpu-out), TOKENIZER (a GGUF file whose tokenizer the
 # model takes; default: the default model), SHAPE ("layers width heads kv_heads ffn"),
 # BENCH_ARGS (for bench.py), WHEELS (a folder of wheels to install first, for a machine without a
-# package registry), and CPU=1: the same steps without CUDA and on a tiny shape, to try it anywhere.
+# package registry), NOBENCH=1 (stop once the model is ready), and CPU=1: the same steps without
+# CUDA and on a tiny shape, to try it anywhere.
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=${BUILD:-/tmp/aiollama-gpu}; OUT=${OUT:-/tmp/aiollama-gpu-out}; JOBS=${JOBS:-$(nproc)}
@@ -52,6 +53,7 @@ if [ -z "${CPU:-}" ]; then
   say "quantize"
   $PY -c "from aiollama.native.model import quantize; quantize('$MODEL', '$BUILD/model-q4km.gguf', 'q4_k_m')" && MODEL=$BUILD/model-q4km.gguf
 fi
+[ -n "${NOBENCH:-}" ] && { say "ready: $MODEL"; exit 0; }
 say "bench $MODEL"
 EXTRA=""; [ -n "${CPU:-}" ] && EXTRA="--cpu --levels 1,4 --tokens 16 --rounds 2 --threads $(nproc)"
 $PY "$ROOT/benchmarks/gpu/bench.py" "$MODEL" --bin "$BUILD/tree/bin" --json "$OUT/gpu_bench.json" $EXTRA ${BENCH_ARGS:-} \
