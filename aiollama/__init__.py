@@ -4,7 +4,7 @@
 one decode thread (continuous batching); ``SyncEngine`` does the same for plain threads. The native
 layer underneath is :mod:`aiollama.native`.
 
-Names are imported on first use, so that importing a pure module (``aiollama.scheduler``) does not
+Names are imported on first use, so that importing a pure module (``aiollama.sched.scheduler``) does not
 load llama.cpp or anyio.
 """
 
@@ -19,18 +19,18 @@ logging.getLogger("aiollama").addHandler(logging.NullHandler())
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Chunk": "aiollama.conversation",
-    "Completion": "aiollama.conversation",
-    "Conversation": "aiollama.conversation",
-    "Stream": "aiollama.conversation",
-    "SyncConversation": "aiollama.conversation",
-    "SyncStream": "aiollama.conversation",
-    "EngineConfig": "aiollama.boundary",
-    "FinishReason": "aiollama.boundary",
-    "GenerationStats": "aiollama.boundary",
-    "Statistics": "aiollama.boundary",
-    "Engine": "aiollama.engine",
-    "SyncEngine": "aiollama.engine",
+    "Chunk": "aiollama.api.conversation",
+    "Completion": "aiollama.api.conversation",
+    "Conversation": "aiollama.api.conversation",
+    "Stream": "aiollama.api.conversation",
+    "SyncConversation": "aiollama.api.blocking",
+    "SyncStream": "aiollama.api.blocking",
+    "EngineConfig": "aiollama.config",
+    "FinishReason": "aiollama.decoder.outputs",
+    "GenerationStats": "aiollama.decoder.outputs",
+    "Statistics": "aiollama.decoder.outputs",
+    "Engine": "aiollama.api.engine",
+    "SyncEngine": "aiollama.api.blocking",
     "SamplingParams": "aiollama.sampling",
     "Device": "aiollama.native.devices",
     "devices": "aiollama.native.devices",
@@ -82,60 +82,132 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS agree
-    from aiollama.boundary import (
-        EngineConfig as EngineConfig,
-        FinishReason as FinishReason,
-        GenerationStats as GenerationStats,
-        Statistics as Statistics,
-    )
-    from aiollama.conversation import (
-        Chunk as Chunk,
-        Completion as Completion,
-        Conversation as Conversation,
-        Stream as Stream,
+    from aiollama.api.blocking import (
         SyncConversation as SyncConversation,
+    )
+    from aiollama.api.blocking import (
+        SyncEngine as SyncEngine,
+    )
+    from aiollama.api.blocking import (
         SyncStream as SyncStream,
     )
-    from aiollama.engine import (
+    from aiollama.api.conversation import (
+        Chunk as Chunk,
+    )
+    from aiollama.api.conversation import (
+        Completion as Completion,
+    )
+    from aiollama.api.conversation import (
+        Conversation as Conversation,
+    )
+    from aiollama.api.conversation import (
+        Stream as Stream,
+    )
+    from aiollama.api.engine import (
         Engine as Engine,
-        SyncEngine as SyncEngine,
+    )
+    from aiollama.config import EngineConfig as EngineConfig
+    from aiollama.decoder.outputs import (
+        FinishReason as FinishReason,
+    )
+    from aiollama.decoder.outputs import (
+        GenerationStats as GenerationStats,
+    )
+    from aiollama.decoder.outputs import (
+        Statistics as Statistics,
     )
     from aiollama.errors import (
         AiollamaError as AiollamaError,
-        ChatTemplateError as ChatTemplateError,
-        ClosedError as ClosedError,
-        ContextCreateError as ContextCreateError,
-        ContextFull as ContextFull,
-        ConversationFileError as ConversationFileError,
-        ConversationBusy as ConversationBusy,
-        ConversationClosed as ConversationClosed,
-        DecodeError as DecodeError,
-        EngineClosed as EngineClosed,
-        EngineDead as EngineDead,
-        GrammarError as GrammarError,
-        InvalidBatchError as InvalidBatchError,
-        InvalidOutputError as InvalidOutputError,
-        InvalidRequestError as InvalidRequestError,
-        InvalidSeqIdError as InvalidSeqIdError,
-        InvalidTokenError as InvalidTokenError,
-        LogitsProcessorError as LogitsProcessorError,
-        ModelIsADirectory as ModelIsADirectory,
-        ModelLoadError as ModelLoadError,
-        ModelMismatch as ModelMismatch,
-        ModelNotFound as ModelNotFound,
-        Overloaded as Overloaded,
-        StateRestoreError as StateRestoreError,
-        UnsupportedModel as UnsupportedModel,
-        WrongEventLoop as WrongEventLoop,
     )
-    from aiollama.native.devices import (
-        Device as Device,
-        devices as devices,
+    from aiollama.errors import (
+        ChatTemplateError as ChatTemplateError,
+    )
+    from aiollama.errors import (
+        ClosedError as ClosedError,
+    )
+    from aiollama.errors import (
+        ContextCreateError as ContextCreateError,
+    )
+    from aiollama.errors import (
+        ContextFull as ContextFull,
+    )
+    from aiollama.errors import (
+        ConversationBusy as ConversationBusy,
+    )
+    from aiollama.errors import (
+        ConversationClosed as ConversationClosed,
+    )
+    from aiollama.errors import (
+        ConversationFileError as ConversationFileError,
+    )
+    from aiollama.errors import (
+        DecodeError as DecodeError,
+    )
+    from aiollama.errors import (
+        EngineClosed as EngineClosed,
+    )
+    from aiollama.errors import (
+        EngineDead as EngineDead,
+    )
+    from aiollama.errors import (
+        GrammarError as GrammarError,
+    )
+    from aiollama.errors import (
+        InvalidBatchError as InvalidBatchError,
+    )
+    from aiollama.errors import (
+        InvalidOutputError as InvalidOutputError,
+    )
+    from aiollama.errors import (
+        InvalidRequestError as InvalidRequestError,
+    )
+    from aiollama.errors import (
+        InvalidSeqIdError as InvalidSeqIdError,
+    )
+    from aiollama.errors import (
+        InvalidTokenError as InvalidTokenError,
+    )
+    from aiollama.errors import (
+        LogitsProcessorError as LogitsProcessorError,
+    )
+    from aiollama.errors import (
+        ModelIsADirectory as ModelIsADirectory,
+    )
+    from aiollama.errors import (
+        ModelLoadError as ModelLoadError,
+    )
+    from aiollama.errors import (
+        ModelMismatch as ModelMismatch,
+    )
+    from aiollama.errors import (
+        ModelNotFound as ModelNotFound,
+    )
+    from aiollama.errors import (
+        Overloaded as Overloaded,
+    )
+    from aiollama.errors import (
+        StateRestoreError as StateRestoreError,
+    )
+    from aiollama.errors import (
+        UnsupportedModel as UnsupportedModel,
+    )
+    from aiollama.errors import (
+        WrongEventLoop as WrongEventLoop,
     )
     from aiollama.models import (
         cache_dir as cache_dir,
+    )
+    from aiollama.models import (
         default_model as default_model,
+    )
+    from aiollama.models import (
         pull as pull,
+    )
+    from aiollama.native.devices import (
+        Device as Device,
+    )
+    from aiollama.native.devices import (
+        devices as devices,
     )
     from aiollama.sampling import (
         SamplingParams as SamplingParams,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -68,11 +68,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if args.replicas > 1:
         return _serve_replicas(args)
-    app = create_app(args.model, model_name=args.model_name, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max,
+    app = create_app(args.model, model_name=args.model_name, n_ctx=serve_n_ctx(args), n_seq_max=args.n_seq_max,
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                      host_cache_bytes=args.host_cache_mib << 20, draft_tokens=args.draft_tokens,
                      draft_model=args.draft_model, deterministic=args.deterministic,
-                     backend_sampling=args.backend_sampling, kv_unified=not args.split_cache,
+                     backend_sampling=args.backend_sampling, kv_unified=args.unified_cache,
                      cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, flash_attn=args.flash_attn)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
@@ -91,10 +91,10 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         return 2
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
     serve.start(http_options={"host": args.host, "port": args.port})
-    options = {"n_ctx": args.n_ctx, "max_queued": args.max_queued, "n_gpu_layers": args.n_gpu_layers,
+    options = {"n_ctx": serve_n_ctx(args), "max_queued": args.max_queued, "n_gpu_layers": args.n_gpu_layers,
                "host_cache_bytes": args.host_cache_mib << 20, "draft_tokens": args.draft_tokens,
                "deterministic": args.deterministic, "backend_sampling": args.backend_sampling,
-               "kv_unified": not args.split_cache, "cache_type_k": args.cache_type_k,
+               "kv_unified": args.unified_cache, "cache_type_k": args.cache_type_k,
                "cache_type_v": args.cache_type_v, "flash_attn": args.flash_attn}
     if args.draft_model is not None:
         options["draft_model"] = args.draft_model
@@ -135,6 +135,16 @@ def _pull(args: argparse.Namespace) -> int:
 
     print(pull())
     return 0
+
+
+# the cells each request gets by default in the server's split cache
+SLOT_CELLS = 2048
+
+
+def serve_n_ctx(args: argparse.Namespace) -> int:
+    if args.n_ctx is not None:
+        return int(args.n_ctx)
+    return EngineConfig.n_ctx if args.unified_cache else max(EngineConfig.n_ctx, SLOT_CELLS * args.n_seq_max)
 
 
 def _layers(text: str) -> int | str:
@@ -179,7 +189,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model-name", default=None, help="the id /v1/models reports (default: the file name)")
-    serve.add_argument("--n-ctx", type=int, default=EngineConfig.n_ctx)
+    serve.add_argument("--n-ctx", "-c", type=int, default=None,
+                       help="KV cells in all: each request's share is n_ctx / n_seq_max with the split cache "
+                            f"(default: {SLOT_CELLS} a request), all of them with --unified-cache "
+                            f"(default: {EngineConfig.n_ctx})")
     serve.add_argument("--n-seq-max", type=int, default=EngineConfig.n_seq_max)
     serve.add_argument("--max-queued", type=int, default=256)
     serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: the CPUs this process may use)")
@@ -201,9 +214,15 @@ def parser() -> argparse.ArgumentParser:
                        help="a smaller GGUF model with the same vocabulary that drafts instead of n-grams")
     serve.add_argument("--backend-sampling", action="store_true",
                        help="sample inside the decode graph where a stream's sampler allows it (pays on a GPU)")
-    serve.add_argument("--split-cache", action="store_true",
-                       help="each sequence its own share of the KV cache (n_ctx / n_seq_max tokens): faster with "
-                            "many streams; forks and cached prefixes are copied, not shared")
+    cache = serve.add_mutually_exclusive_group()
+    cache.add_argument("--split-cache", dest="unified_cache", action="store_false",
+                       help="each request's cells its own share of the cache, as llama-server's slots (the default): "
+                            "its attention reads only its own cells, and what finished requests cached never slows "
+                            "the running ones")
+    cache.add_argument("--unified-cache", dest="unified_cache", action="store_true",
+                       help="one cache for every request: a request may hold any share of it and forks share "
+                            "cells, but every step's attention passes over every used cell")
+    serve.set_defaults(unified_cache=False)
     serve.add_argument("--deterministic", action="store_true",
                        help="each conversation's output independent of what runs beside it (CPU only)")
     serve.add_argument("--replicas", type=int, default=1,

@@ -32,7 +32,12 @@ from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 

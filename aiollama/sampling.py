@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 from aiollama._validate import SEED_MAX, integer, number
 from aiollama.errors import InvalidRequestError
 
-
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 

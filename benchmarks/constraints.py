@@ -32,14 +32,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import aiollama  # noqa: E402
 import tools  # noqa: E402
-from aiollama import constraints  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
-from aiollama.sampling import SamplingParams  # noqa: E402
-from aiollama.tokenizer import VocabTokenizer  # noqa: E402
 from common import machine, save_results  # noqa: E402
 from server import LlamaServer  # noqa: E402
+
+import aiollama  # noqa: E402
+from aiollama.formats import constraints  # noqa: E402
+from aiollama.native import Model, available_cpus  # noqa: E402
+from aiollama.runner.tokenizer import VocabTokenizer  # noqa: E402
+from aiollama.sampling import SamplingParams  # noqa: E402
 
 STREAMS, TOKENS = 8, 128
 QUESTION = "List the fifty largest cities of the world as JSON, with their country and population."

@@ -23,11 +23,12 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import aiollama  # noqa: E402
 import tools  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
 from common import machine, prompts, save_results, throughput  # noqa: E402
 from scenarios import aiollama_streams  # noqa: E402
+
+import aiollama  # noqa: E402
+from aiollama.native import Model, available_cpus  # noqa: E402
 
 LEVELS = (1, 8, 32)
 PROMPT, NEW, LONG = 64, 128, 1000

@@ -11,8 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import aiollama  # noqa: E402
 from tiny_model import tiny_model  # noqa: E402
+
+import aiollama  # noqa: E402
 
 SHAPE = {"n_embd": 256, "n_layer": 4, "n_head": 4, "n_head_kv": 2, "n_ff": 768}
 

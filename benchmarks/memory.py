@@ -30,11 +30,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import aiollama  # noqa: E402
 import tools  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
 from common import machine, save_results  # noqa: E402
 from server import AiollamaServer, LlamaServer  # noqa: E402
+
+import aiollama  # noqa: E402
+from aiollama.native import Model, available_cpus  # noqa: E402
 
 SYSTEM = ("You are a patient storyteller who answers in short paragraphs. You keep track of every "
           "character and place the user mentions, and you never contradict what was said before. ")
@@ -48,6 +49,9 @@ TURNS = [
     "What happens when the storm ends?",
     "End the story in two sentences.",
 ]
+
+# both servers share one cache among their requests (llama-server -kvu), where common prompts share cells
+UNIFIED = ("--unified-cache",)
 
 
 async def chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
@@ -167,13 +171,13 @@ async def main(args: argparse.Namespace) -> int:
     r: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": machine(), "model": model.name,
                          "threads": threads, "llama_cpp": tools.TAG}
     print("1. multi-turn chat", flush=True)
-    with AiollamaServer(model, n_seq_max=8, n_ctx=8192, threads=threads) as ours:
+    with AiollamaServer(model, n_seq_max=8, n_ctx=8192, threads=threads, extra=UNIFIED) as ours:
         mine = await multi_turn(ours.url)
     with LlamaServer(bins["llama-server"], model, n_parallel=8, n_ctx=8192, threads=threads) as theirs:
         other = await multi_turn(theirs.url)
     r["multi_turn"] = {"aiollama": mine, "llama_server": other}
     print("2. shared system prompt", flush=True)
-    with AiollamaServer(model, n_seq_max=8, n_ctx=16384, threads=threads) as ours:
+    with AiollamaServer(model, n_seq_max=8, n_ctx=16384, threads=threads, extra=UNIFIED) as ours:
         mine_sp = await shared_prompt(ours.url, system, args.users)
     with LlamaServer(bins["llama-server"], model, n_parallel=8, n_ctx=16384, threads=threads) as theirs:
         other_sp = await shared_prompt(theirs.url, system, args.users)

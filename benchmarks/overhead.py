@@ -36,16 +36,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-import aiollama  # noqa: E402
 import fast_model  # noqa: E402
-from aiollama.boundary import EngineConfig  # noqa: E402
-from aiollama.executor import build_chain  # noqa: E402
-from aiollama.native import Batch, Context, Model, available_cpus  # noqa: E402
-from aiollama.native.sampler import sample_rows  # noqa: E402
-from aiollama.sampling import SamplingParams  # noqa: E402
-from aiollama.step import Plan, Sampled, StepResult, StepStatus  # noqa: E402
 from common import machine, prompts, save_results  # noqa: E402
 from fake_executor import ByteTokenizer  # noqa: E402
+
+import aiollama  # noqa: E402
+from aiollama.config import EngineConfig  # noqa: E402
+from aiollama.native import Batch, Context, Model, available_cpus  # noqa: E402
+from aiollama.native.sampler import sample_rows  # noqa: E402
+from aiollama.runner.sampler import build_chain  # noqa: E402
+from aiollama.sampling import SamplingParams  # noqa: E402
+from aiollama.sched.step import Plan, Sampled, StepResult, StepStatus  # noqa: E402
 
 TOKENS = 256
 LEVELS = (1, 8, 32, 64)

@@ -22,13 +22,14 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import aiollama  # noqa: E402
 import fast_model  # noqa: E402
 import report  # noqa: E402
 import scenarios as sc  # noqa: E402
 import tools  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
 from common import machine  # noqa: E402
+
+import aiollama  # noqa: E402
+from aiollama.native import Model, available_cpus  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-
-import aiollama
 from common import StreamTiming, gap_summary, prompts, throughput
 from server import LlamaServer, run_clients
+
+import aiollama
 
 PROMPT_TOKENS = 64
 NEW_TOKENS = 128
@@ -153,8 +153,8 @@ async def _prefill_chunk_seconds(e: aiollama.Engine, n_vocab: int, step_tokens: 
 
 
 async def fairness_server(binary: Path, model: Path, threads: int, n_vocab: int) -> dict[str, Any]:
-    from server import stream_completion
     import httpx
+    from server import stream_completion
 
     running = prompts(RUNNING, PROMPT_TOKENS, n_vocab, seed=7)
     long = prompts(1, LONG_PROMPT, n_vocab, seed=1500)[0]
@@ -292,7 +292,6 @@ async def speculation_aiollama(model: Path, threads: int, n: int, n_vocab: int) 
 
 async def speculation_server(binary: Path, model: Path, threads: int, n: int, batch: list[list[int]]) -> dict[str, Any]:
     import httpx
-
     from server import stream_completion
 
     out: dict[str, Any] = {}

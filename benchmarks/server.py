@@ -13,7 +13,6 @@ from typing import Any
 
 import anyio
 import httpx
-
 from common import StreamTiming
 
 
@@ -23,7 +22,45 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class LlamaServer:
+class ServerProcess:
+    """A server in a process of its own on 127.0.0.1: started on entry, ready once ``/health``
+    answers 200, stopped on exit."""
+
+    name = "server"
+
+    def __init__(self, cmd: list[str], port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.cmd = cmd
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ServerProcess:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"{self.name} exited: {err[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} did not become healthy in 120 s")
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class LlamaServer(ServerProcess):
     """``llama-server -np N -kvu`` with explicit threads, on 127.0.0.1, for one scenario; without
     ``-kvu`` (the server's default: each slot its share of the cache) when not ``unified``.
 
@@ -31,72 +68,28 @@ class LlamaServer:
     users run it.
     """
 
+    name = "llama-server"
+
     def __init__(self, binary: Path, model: Path, *, n_parallel: int, n_ctx: int, threads: int,
                  unified: bool = True) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [
-            str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+        port = _free_port()
+        super().__init__([
+            str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(n_parallel), *(["-kvu"] if unified else []), "-c", str(n_ctx), "-t", str(threads),
             "-tb", str(threads), "--no-webui", "--log-disable",
-        ]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> LlamaServer:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"llama-server exited: {err[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("llama-server did not become healthy in 120 s")
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        ], port)
 
 
-class AiollamaServer:
-    """``aiollama serve`` in a process of its own, as a user starts it."""
+class AiollamaServer(ServerProcess):
+    """``aiollama serve`` in a process of its own, as a user starts it; ``extra``: more options."""
 
-    def __init__(self, model: Path, *, n_seq_max: int, n_ctx: int, threads: int) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "aiollama", "serve", str(model), "--port", str(self.port),
-                    "--n-seq-max", str(n_seq_max), "--n-ctx", str(n_ctx), "--threads", str(threads),
-                    "--log-level", "warning"]
-        self.proc: subprocess.Popen[bytes] | None = None
+    name = "aiollama serve"
 
-    def __enter__(self) -> AiollamaServer:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"aiollama serve exited: {self.proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("aiollama serve did not become healthy in 120 s")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
+    def __init__(self, model: Path, *, n_seq_max: int, n_ctx: int, threads: int, extra: tuple[str, ...] = ()) -> None:
+        port = _free_port()
+        super().__init__([sys.executable, "-m", "aiollama", "serve", str(model), "--port", str(port),
+                          "--n-seq-max", str(n_seq_max), "--n-ctx", str(n_ctx), "--threads", str(threads),
+                          "--log-level", "warning", *extra], port)
 
 
 SAMPLING: dict[str, Any] = {"ignore_eos": True, "temperature": 0.7}  # the throughput scenarios'

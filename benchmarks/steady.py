@@ -5,7 +5,8 @@ arrivals, each side by side with llama-server in the same run.
 
 1. Rounds. N streams of distinct prompts (64 tokens), T new tokens each at temperature 0.7, EOG
    ignored, then the same load again with new prompts, ``--rounds`` times, on one engine whose
-   prefix cache keeps what it served, and on one llama-server process (its default split cache, a
+   prefix cache keeps what it served (each aiollama contender in a process of its own, as
+   llama-server is), and on one llama-server process (its default split cache, a
    slot per stream). The contenders take turns round by round. Reported: tokens/s per round and
    last/first. SmolLM2 and the fast model, at 8 and 32 streams.
 2. Continuous arrivals. ``aiollama serve`` and llama-server, one process each, alone: 8 HTTP
@@ -21,6 +22,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,13 +36,14 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import aiollama  # noqa: E402
 import fast_model  # noqa: E402
 import tools  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
 from common import machine, prompts, save_results  # noqa: E402
 from scenarios import aiollama_streams, engine  # noqa: E402
 from server import AiollamaServer, LlamaServer, run_clients  # noqa: E402
+
+import aiollama  # noqa: E402
+from aiollama.native import Model, available_cpus  # noqa: E402
 
 PROMPT = 64
 ARRIVAL_TOKENS = 64
@@ -49,44 +54,84 @@ def _tps(timings: list[Any], wall: float) -> float:
     return sum(len(t.arrivals) for t in timings) / wall
 
 
+class Worker:
+    """One aiollama contender in a process of its own (as llama-server is in its own): an engine that
+    lives for all the rounds and runs one on each request. Two engines in one process slow each other
+    down on a small machine (both keep OpenMP teams), so they never share one here."""
+
+    def __init__(self, model: Path, threads: int, n: int, n_ctx: int, unified: bool,
+                 package: Path | None = None) -> None:
+        # package: the folder that holds another build of the aiollama package (a baseline to
+        # compare against), put first on the worker's import path
+        env = {**os.environ, "PYTHONPATH": str(package)} if package is not None else None
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(
+            {"model": str(model), "threads": threads, "n": n, "n_ctx": n_ctx, "unified": unified})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a benchmark worker ended ({self.proc.wait()})")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+async def serve_worker(options: dict[str, Any]) -> None:
+    """The worker's side: one engine, a round per request line, an answer line each."""
+    async with engine(Path(options["model"]), options["threads"], n_seq_max=options["n"], n_ctx=options["n_ctx"],
+                      unified=options["unified"]) as e:
+        for line in sys.stdin:
+            request = json.loads(line)
+            start = time.perf_counter()
+            timings = await aiollama_streams(e, request["batch"], request["new"])
+            st = e.statistics()
+            print(json.dumps({"tps": _tps(timings, time.perf_counter() - start),
+                              "cells": [st.kv_cells_used, st.kv_cells_total]}), flush=True)
+
+
 async def rounds(model: Path, threads: int, n: int, new: int, n_rounds: int, n_vocab: int,
-                 server_bin: Path | None) -> dict[str, list[float]]:
+                 server_bin: Path | None, baseline: Path | None = None) -> dict[str, list[float]]:
     """tokens/s per round for each contender, one long-lived engine or process each, taking turns."""
     n_ctx = max(8192, 4 * n * (PROMPT + new))  # room for several rounds of cache
     out: dict[str, list[float]] = {"aiollama": [], "aiollama_split": []}
-    contenders: dict[str, Any] = {
-        "aiollama": engine(model, threads, n_seq_max=n, n_ctx=n_ctx),
-        "aiollama_split": engine(model, threads, n_seq_max=n, n_ctx=n_ctx, unified=False),
-    }
+    workers = {"aiollama": Worker(model, threads, n, n_ctx, True),
+               "aiollama_split": Worker(model, threads, n, n_ctx, False)}
+    if baseline is not None:
+        out["baseline"] = []
+        workers["baseline"] = Worker(model, threads, n, n_ctx, True, package=baseline)
     server = LlamaServer(server_bin, model, n_parallel=n, n_ctx=n_ctx, threads=threads, unified=False) \
         if server_bin is not None else None
     warm = prompts(1, PROMPT, n_vocab, seed=99)
-    for e in contenders.values():
-        await e.start()
-        await aiollama_streams(e, warm, 8)
     try:
+        for w in workers.values():
+            w.ask({"batch": warm, "new": 8})
         if server is not None:
             server.__enter__()
             out["llama_server"] = []
             await run_clients(server.url, warm, 8)
         for r in range(n_rounds):
             batch = prompts(n, PROMPT, n_vocab, seed=1000 * (r + 1) + n)  # distinct prompts every round
-            for name, e in contenders.items():
-                start = time.perf_counter()
-                timings = await aiollama_streams(e, batch, new)
-                out[name].append(_tps(timings, time.perf_counter() - start))
+            for name, w in workers.items():
+                answer = w.ask({"batch": batch, "new": new})
+                out[name].append(answer["tps"])
+                out[name + "_cells"] = answer["cells"]
             if server is not None:
                 start = time.perf_counter()
                 timings = await run_clients(server.url, batch, new)
                 out["llama_server"].append(_tps(timings, time.perf_counter() - start))
             print(f"  {model.name} n={n} round {r + 1}: " +
-                  ", ".join(f"{k} {v[-1]:.0f}" for k, v in out.items()), flush=True)
-        for name, e in contenders.items():
-            st = e.statistics()
-            out[name + "_cells"] = [float(st.kv_cells_used), float(st.kv_cells_total)]
+                  ", ".join(f"{k} {v[-1]:.0f}" for k, v in out.items() if not k.endswith("_cells")), flush=True)
     finally:
-        for e in contenders.values():
-            await e.aclose()
+        for w in workers.values():
+            w.close()
         if server is not None:
             server.__exit__(None, None, None)
     return out
@@ -137,7 +182,7 @@ def report(r: dict[str, Any]) -> str:
     for key, res in r["rounds"].items():
         model, n, new = key.split("|")
         server_last = res.get("llama_server", [0.0])[-1]
-        for name in ("aiollama", "aiollama_split", "llama_server"):
+        for name in ("aiollama", "aiollama_split", "baseline", "llama_server"):
             if name not in res:
                 continue
             v = res[name]
@@ -168,19 +213,22 @@ async def main(args: argparse.Namespace) -> int:
     server_bin = bins["llama-server"] if bins else None
     r: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": machine(), "threads": threads,
                          "rounds": {}, "arrivals": {}, "windows": args.windows, "window": args.window}
-    for name in args.models.split(","):
+    for name in filter(None, args.models.split(",")):
         new = 96 if name == "smollm2" else 128
         for n in (int(x) for x in args.levels.split(",")):
             print(f"rounds: {name} {n} streams", flush=True)
             r["rounds"][f"{name}|{n}|{new}"] = await rounds(models[name], threads, n, new, args.rounds, n_vocab,
-                                                           server_bin)
+                                                           server_bin, args.baseline)
     if args.windows and server_bin is not None:
         banned = eog_tokens(smollm2)
         n_ctx = 8192
         for label, server in (("llama-server", LlamaServer(server_bin, smollm2, n_parallel=CLIENTS, n_ctx=n_ctx,
                                                             threads=threads, unified=False)),
                               ("aiollama serve", AiollamaServer(smollm2, n_seq_max=CLIENTS, n_ctx=n_ctx,
-                                                                threads=threads))):
+                                                                threads=threads)),
+                              ("aiollama serve --unified-cache",
+                               AiollamaServer(smollm2, n_seq_max=CLIENTS, n_ctx=n_ctx, threads=threads,
+                                              extra=("--unified-cache",)))):
             print(f"arrivals: {label}", flush=True)
             with server:
                 r["arrivals"][label] = await arrivals(server.url, n_vocab, args.windows, args.window, banned)
@@ -190,6 +238,8 @@ async def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(anyio.run(serve_worker, json.loads(sys.argv[2])))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, help="llama.cpp threads (default: usable CPUs)")
     parser.add_argument("--rounds", type=int, default=4)
@@ -198,5 +248,8 @@ if __name__ == "__main__":
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--window", type=float, default=45.0)
     parser.add_argument("--no-server", action="store_true", help="aiollama only (no llama.cpp tools to build)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a folder holding another build of the aiollama package: its engine (unified cache) "
+                             "runs the rounds beside the others, as 'baseline'")
     parser.add_argument("--tag", default="", help="a suffix for the results' file names")
     sys.exit(anyio.run(main, parser.parse_args()))

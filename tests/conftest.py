@@ -4,10 +4,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tiny_model import tiny_model
 
 import aiollama
 from aiollama.native import Model
-from tiny_model import tiny_model
 
 
 @pytest.fixture(scope="session")

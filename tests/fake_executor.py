@@ -11,11 +11,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from aiollama.boundary import EngineConfig
-from aiollama.errors import GrammarError, InvalidRequestError, InvalidTokenError
-from aiollama.sampling import SamplingParams
-from aiollama.step import Plan, Sampled, SpecialToken, StepResult, StepStatus
 from fake_kv import FakeKV
+
+from aiollama.config import EngineConfig
+from aiollama.errors import GrammarError, InvalidRequestError, InvalidTokenError
+from aiollama.formats.tokens import SpecialToken
+from aiollama.sampling import SamplingParams
+from aiollama.sched.step import Plan, Sampled, StepResult, StepStatus
 
 BOS, EOS, IM_START, IM_END = 256, 257, 258, 259
 SPECIALS = {BOS: "<s>", EOS: "</s>", IM_START: "<|im_start|>", IM_END: "<|im_end|>"}
@@ -67,7 +69,7 @@ class ByteTokenizer:
         return CHATML
 
     def guidance(self) -> object:
-        from aiollama import constraints
+        from aiollama.formats import constraints
 
         pieces = [(constraints.SPECIAL if t >= 256 else b"") + self.piece(t) for t in range(self.n_vocab)]
         return constraints.make_tokenizer(pieces, eog=[EOS, IM_END], bos=BOS, special=list(SPECIALS),
@@ -103,7 +105,7 @@ Fault = Callable[[Plan], StepStatus | None]
 
 
 class FakeExecutor:
-    """:class:`~aiollama.step.Executor` over :class:`FakeKV` and :func:`next_token`.
+    """:class:`~aiollama.sched.step.Executor` over :class:`FakeKV` and :func:`next_token`.
 
     ``fault(plan)`` may return a status to inject instead of decoding (ABORTED and FAILED keep the
     first half of the plan's tokens, as a partly computed llama_decode does). With ``hold``, a step

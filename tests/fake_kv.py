@@ -10,7 +10,17 @@ from __future__ import annotations
 import pickle
 from collections.abc import Sequence
 
-from aiollama.step import Compact, Copy, Op, Park, Plan, Relay, Remove, Restore, Shift
+from aiollama.sched.step import (
+    Compact,
+    Copy,
+    Op,
+    Park,
+    Plan,
+    Relay,
+    Remove,
+    Restore,
+    Shift,
+)
 
 
 class FakeKV:

@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import gather
 
 from aiollama import Engine, EngineConfig, InvalidRequestError
 from aiollama.native import Batch, Context, Model, SamplerChain, sample_rows
 from aiollama.native.binding import lib
 from aiollama.native.sampler import attach
-from helpers import gather
 
 PROMPTS = [f"Story {i}: once upon a time" for i in range(8)]
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import anyio
 import pytest
+from helpers import GREEDY
+from tiny_model import mamba_model, spm_model
 
 import aiollama
 from aiollama import (
@@ -37,8 +39,6 @@ from aiollama import (
     UnsupportedModel,
     WrongEventLoop,
 )
-from helpers import GREEDY
-from tiny_model import mamba_model, spm_model
 
 pytestmark = pytest.mark.anyio
 

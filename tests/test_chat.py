@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import GREEDY
+from tiny_model import spm_model
 
 import aiollama
 from aiollama import ChatTemplateError, Engine, SyncEngine
-from aiollama.chat import ChatTemplate, normalize, protect, segments
+from aiollama.formats.chat import ChatTemplate, normalize, protect, segments
 from aiollama.native import Model
-from helpers import GREEDY
-from tiny_model import spm_model
 
 pytestmark = pytest.mark.anyio
 

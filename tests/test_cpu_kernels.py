@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_model import quantized_model
 
 import aiollama
 from aiollama.native.binding import ffi, lib
-from tiny_model import quantized_model
 
 HERE = Path(__file__).resolve().parent
 WIDE = dict(n_embd=256, n_ff=768, n_head=4, n_head_kv=2, n_layer=4)  # rows that every kernel takes

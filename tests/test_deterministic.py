@@ -19,14 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import gather
+from tiny_model import quantized_model
 
 import aiollama
 from aiollama import Engine, EngineConfig, InvalidRequestError
-from aiollama.kvcache import KVManager
 from aiollama.native import Batch, Context, DecodeStatus, Model, seqstate
-from aiollama.ordered import OrderedCells
-from helpers import gather
-from tiny_model import quantized_model
+from aiollama.runner.ordered import OrderedCells
+from aiollama.sched.kvcache import KVManager
 
 WIDE = dict(n_embd=256, n_ff=768, n_head=4, n_head_kv=2, n_layer=4)  # K-quants need rows of 256
 MODELS = [("q4_1", {}), ("q8_0", {}), ("f16", {}), ("q4_k_m", WIDE)]

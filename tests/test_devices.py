@@ -10,13 +10,13 @@ from pathlib import Path
 
 import anyio
 import pytest
+from tiny_model import tiny_model
 
 import aiollama
 from aiollama import Engine, EngineConfig, InvalidRequestError
 from aiollama.cli import _layers, _switch
-from aiollama.decode_loop import DECODE_STACK_BYTES
+from aiollama.decoder.loop import DECODE_STACK_BYTES
 from aiollama.native.devices import placement
-from tiny_model import tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 WIDE = dict(n_embd=256, n_ff=768, n_head=4, n_head_kv=2, n_layer=4)  # heads of 64: quantized cells need 32s

@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import gather
+from tiny_model import quantized_model, spm_model
 
 import aiollama
 from aiollama import Engine, EngineConfig, InvalidRequestError
-from aiollama.boundary import DRAFT_MODEL_TOKENS
-from aiollama.drafter import Drafter
+from aiollama.config import DRAFT_MODEL_TOKENS
 from aiollama.native import Model
-from helpers import gather
-from tiny_model import quantized_model, spm_model
+from aiollama.runner.drafter import Drafter
 
 GREEDY: dict[str, Any] = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = ["Once upon a time", "The capital of France is", "def fib(n):", "Hello " * 30]

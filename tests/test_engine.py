@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+from helpers import GREEDY, decode_threads, gather, solo, wait_for
 
 import aiollama
 from aiollama import (
@@ -25,7 +26,6 @@ from aiollama import (
     Overloaded,
 )
 from aiollama.native import Model
-from helpers import GREEDY, decode_threads, gather, solo, wait_for
 
 pytestmark = pytest.mark.anyio
 

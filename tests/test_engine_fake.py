@@ -14,6 +14,8 @@ from typing import Any
 
 import anyio
 import pytest
+from fake_executor import EOS, FakeExecutor, next_token, solo_tokens
+from helpers import decode_threads, gather, wait_for
 
 from aiollama import (
     Engine,
@@ -24,9 +26,7 @@ from aiollama import (
     GrammarError,
     Overloaded,
 )
-from aiollama.step import Copy, StepStatus
-from fake_executor import EOS, FakeExecutor, next_token, solo_tokens
-from helpers import decode_threads, gather, wait_for
+from aiollama.sched.step import Copy, StepStatus
 
 pytestmark = pytest.mark.anyio
 

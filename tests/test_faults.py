@@ -14,12 +14,12 @@ from pathlib import Path
 
 import anyio
 import pytest
+from helpers import GREEDY, decode_threads, gather, solo, wait_for
 
 from aiollama import Engine, EngineConfig, EngineDead
-from aiollama.executor import NativeExecutor
 from aiollama.native import Batch, Context, DecodeStatus, open_handles
-from aiollama.scheduler import Scheduler
-from helpers import GREEDY, decode_threads, gather, solo, wait_for
+from aiollama.runner.executor import NativeExecutor
+from aiollama.sched.scheduler import Scheduler
 
 pytestmark = pytest.mark.anyio
 

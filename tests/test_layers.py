@@ -1,6 +1,6 @@
-"""The package's layering, read from its source: each module imports only modules of lower layers,
-so the imports form a DAG, and the rules of DESIGN.md hold. Imports under ``TYPE_CHECKING`` and
-inside functions count too."""
+"""The package's layering, read from its source: the folders are the layers, each imports only from
+the layers its rule names, the imports form no cycle, and no module or class outgrows the limits.
+Imports under ``TYPE_CHECKING`` and inside functions count too."""
 
 from __future__ import annotations
 
@@ -13,44 +13,26 @@ import aiollama
 
 PACKAGE = Path(aiollama.__file__).resolve().parent
 
-# Lower number, lower layer. A module may import modules of strictly lower layers, and modules of
-# its own subpackage (native/, server/).
-LAYERS: dict[str, int] = {
-    # base: no aiollama imports beyond each other
-    "aiollama._validate": 1, "aiollama.errors": 0, "aiollama.models": 0,
-    "aiollama.reasoning": 1,
-    # pure: the plan, the rules, what crosses the thread boundary
-    "aiollama.sampling": 2, "aiollama.text": 2, "aiollama.speculation": 2, "aiollama.kvtree": 2, "aiollama.savefile": 2,
-    "aiollama.hostcache": 3, "aiollama.constraints": 3, "aiollama.toolcalls": 2,
-    "aiollama.step": 3,
-    "aiollama.kvcache": 4, "aiollama.chat": 4, "aiollama.boundary": 4,
-    "aiollama.scheduler": 5, "aiollama.outbox": 5,
-    "aiollama.generations": 6,
-    # llama.cpp
-    "aiollama.native": 2,
-    "aiollama.tokenizer": 7, "aiollama.executor": 8,
-    # the decode thread, which sees llama.cpp only through the Executor interface
-    "aiollama.engine_core": 7, "aiollama.decode_loop": 8, "aiollama.embedder": 7,
-    "aiollama.drafter": 7, "aiollama.ordered": 7,
-    # the callers' side
-    "aiollama.portal": 7, "aiollama.stream": 8, "aiollama.client": 9, "aiollama.chat_turns": 10,
-    "aiollama.conversation": 11, "aiollama.engine": 12,
-    # services: the public API only
-    "aiollama.live": 13, "aiollama.server": 14, "aiollama.ray": 15, "aiollama.cli": 16, "aiollama.__main__": 17,
+# The layers, bottom up, and what each may import besides itself. "base" is the top-level modules
+# everything stands on; "face" the package's lazy public namespace; the services use only it.
+BASE = {"aiollama._validate", "aiollama.errors", "aiollama.models", "aiollama.config", "aiollama.sampling"}
+SERVICES = {"aiollama.cli", "aiollama.live", "aiollama.ray", "aiollama.__main__", "aiollama.server"}
+RULES: dict[str, set[str]] = {
+    "base": {"base"},
+    "formats": {"base"},
+    "sched": {"base", "formats"},
+    "native": {"base"},
+    "decoder": {"base", "formats", "sched"},
+    "runner": {"base", "formats", "sched", "native"},
+    "api": {"base", "formats", "sched", "decoder", "runner", "native"},
+    "face": {"base", "decoder", "api", "native"},
+    "services": {"face", "base", "formats", "services"},
 }
-PURE = {"aiollama.sampling", "aiollama.text", "aiollama.step", "aiollama.kvcache", "aiollama.chat",
-        "aiollama.boundary", "aiollama.scheduler", "aiollama.outbox", "aiollama.generations",
-        "aiollama.hostcache", "aiollama.savefile", "aiollama.kvtree", "aiollama.constraints", "aiollama.toolcalls",
-        "aiollama.reasoning", "aiollama.speculation"}
-NO_EVENT_LOOP = PURE | {"aiollama.engine_core", "aiollama.decode_loop", "aiollama.executor", "aiollama.embedder",
-                        "aiollama.drafter", "aiollama.ordered", "aiollama.tokenizer", "aiollama.native",
-                        "aiollama.errors", "aiollama._validate"}
-NATIVE_USERS = {"aiollama.native", "aiollama.tokenizer", "aiollama.executor", "aiollama.embedder", "aiollama.drafter",
-                "aiollama.ordered"}
-SERVICES = {"aiollama.live", "aiollama.server", "aiollama.ray", "aiollama.cli", "aiollama.__main__"}
-PUBLIC = {"aiollama", "aiollama.errors", "aiollama.models", "aiollama.sampling", "aiollama.toolcalls",
-          "aiollama.reasoning"}
+# what may use an event loop library, or the compiled binding
+EVENT_LOOP_LAYERS = {"api", "services"}
 EVENT_LOOP_LIBRARIES = {"anyio", "sniffio", "trio", "asyncio"}
+MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 250
 
 
 def module_name(path: Path) -> str:
@@ -60,12 +42,16 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def group(module: str) -> str:
-    """The entry of LAYERS a module belongs to (a subpackage counts as one)."""
-    for sub in ("aiollama.native", "aiollama.server"):
-        if module == sub or module.startswith(sub + "."):
-            return sub
-    return module
+def layer(module: str) -> str:
+    if module == "aiollama":
+        return "face"
+    if module in BASE:
+        return "base"
+    if any(module == s or module.startswith(s + ".") for s in SERVICES):
+        return "services"
+    folder = module.split(".")[1]
+    assert folder in RULES, f"{module} is in no layer"
+    return folder
 
 
 def imports(path: Path) -> set[str]:
@@ -75,60 +61,47 @@ def imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
-            for alias in node.names:  # "from aiollama import savefile" imports a module
+            for alias in node.names:  # "from aiollama.formats import chat" imports a module
                 sub = f"{node.module}.{alias.name}"
-                is_module = (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").exists()
-                found.add(sub if is_module else node.module)
+                base = PACKAGE.parent / sub.replace(".", "/")
+                found.add(sub if base.with_suffix(".py").exists() or (base / "__init__.py").exists() else node.module)
     return found
 
 
-MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if module_name(p) != "aiollama"}
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def test_every_module_has_a_layer() -> None:
-    assert sorted(m for m in MODULES if group(m) not in LAYERS) == []
+def ours(name: str) -> bool:
+    return (name == "aiollama" or name.startswith("aiollama.")) and name != "aiollama._llama_cffi"
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_imports_point_down(module: str) -> None:
-    here = group(module)
-    bad = []
-    for name in imports(MODULES[module]):
-        if name == "aiollama._llama_cffi" or not (name == "aiollama" or name.startswith("aiollama.")):
-            continue
-        target = group(name)
-        if target == here:
-            continue
-        if target == "aiollama":
-            ok = here in SERVICES  # the public facade, for services only
-        else:
-            ok = target in LAYERS and LAYERS[target] < LAYERS[here]
-        if here in SERVICES and target not in PUBLIC | SERVICES:
-            ok = False
-        if not ok:
-            bad.append(name)
-    assert bad == [], f"{module} imports upward or sideways: {bad}"
+def test_the_folders_are_the_layers() -> None:
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == {"formats", "sched", "native", "decoder", "runner", "api", "server"}
+    assert all(layer(m) in RULES for m in MODULES)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
-def test_layer_rules(module: str) -> None:
-    here = group(module)
+def test_imports_follow_the_rules(module: str) -> None:
+    here = layer(module)
+    bad = sorted(n for n in imports(MODULES[module]) if ours(n) and layer(n) != here and layer(n) not in RULES[here])
+    assert bad == [], f"{module} ({here}) may import only {sorted(RULES[here])}: {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_event_loops_and_the_binding_stay_where_they_belong(module: str) -> None:
+    here = layer(module)
     names = imports(MODULES[module])
     roots = {n.split(".")[0] for n in names}
-    if here in NO_EVENT_LOOP:
+    if here not in EVENT_LOOP_LAYERS:
         assert not roots & EVENT_LOOP_LIBRARIES, f"{module} imports an event loop library"
-    if here not in NATIVE_USERS:
-        assert not any(group(n) == "aiollama.native" for n in names), f"{module} imports the native layer"
     if module != "aiollama.native.binding":
         assert not roots & {"cffi", "_cffi_backend"} and "aiollama._llama_cffi" not in names
 
 
-def test_no_import_cycle() -> None:
-    graph = {m: {group(n) for n in imports(p) if group(n) in LAYERS and group(n) != group(m)}
-             for m, p in MODULES.items()}
-    edges: dict[str, set[str]] = {}
-    for m, targets in graph.items():
-        edges.setdefault(group(m), set()).update(targets)
+def test_no_import_cycle_between_modules() -> None:
+    edges = {m: {n for n in imports(p) if n in MODULES and n != m} for m, p in MODULES.items()}
+    edges["aiollama"] = set()  # the face imports lazily, by name
     state: dict[str, int] = {}
 
     def visit(node: str, path: list[str]) -> None:
@@ -142,6 +115,16 @@ def test_no_import_cycle() -> None:
     for node in edges:
         if node not in state:
             visit(node, [])
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_modules_and_classes_stay_small(module: str) -> None:
+    source = MODULES[module].read_text()
+    assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{module} has {len(source.splitlines())} lines"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            size = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            assert size <= MAX_CLASS_LINES, f"{module}.{node.name} has {size} lines"
 
 
 def test_public_names_match_their_type_stubs() -> None:

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import anyio
 import pytest
+from helpers import GREEDY
 
 from aiollama import Engine
 from aiollama.native import open_handles
-
-from helpers import GREEDY
 
 pytestmark = [pytest.mark.anyio, pytest.mark.skipif(sys.platform != "linux", reason="reads /proc for RSS")]
 

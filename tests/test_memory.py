@@ -7,6 +7,8 @@ from pathlib import Path
 
 import anyio
 import pytest
+from helpers import GREEDY
+from tiny_model import spm_model
 
 import aiollama
 from aiollama import (
@@ -18,8 +20,6 @@ from aiollama import (
     ModelMismatch,
     SyncEngine,
 )
-from helpers import GREEDY
-from tiny_model import spm_model
 
 pytestmark = pytest.mark.anyio
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import first_greedy_tokens
 
 from aiollama.errors import (
     ClosedError,
@@ -22,9 +23,17 @@ from aiollama.errors import (
     InvalidTokenError,
     ModelLoadError,
 )
-from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, Vocab, available_cpus, sample_rows
+from aiollama.native import (
+    Batch,
+    Context,
+    DecodeStatus,
+    Model,
+    SamplerChain,
+    Vocab,
+    available_cpus,
+    sample_rows,
+)
 from aiollama.native.binding import set_log_level
-from helpers import first_greedy_tokens
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import anyio
 import numpy as np
 import pytest
 from pydantic import BaseModel
+from server_process import Server
 
 from aiollama.native import Batch, Context, DecodeStatus, Model
-from server_process import Server
 
 openai = pytest.importorskip("openai")
 

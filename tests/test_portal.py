@@ -7,9 +7,9 @@ import functools
 import anyio
 import pytest
 
-from aiollama.boundary import Delta
+from aiollama.api.portal import AsyncSink, current_portal
+from aiollama.decoder.outputs import Delta
 from aiollama.errors import EngineDead
-from aiollama.portal import AsyncSink, ThreadSink, current_portal
 
 pytestmark = pytest.mark.anyio
 
@@ -82,14 +82,4 @@ async def test_a_waiting_reader_of_an_engine_that_ended_gets_its_error() -> None
             while not got:
                 await anyio.sleep(0.05)
     (item,) = got
-    assert isinstance(item, Delta) and isinstance(item.error, EngineDead)
-
-
-def test_a_waiting_thread_of_an_engine_that_ended_gets_its_error() -> None:
-    failure: list[BaseException] = []
-    sink = ThreadSink(failure=lambda: failure[0] if failure else None)
-    sink.deliver(Delta("a", (97,)))
-    assert sink.get() == Delta("a", (97,))
-    failure.append(EngineDead("gone"))
-    item = sink.get()  # within a liveness period
     assert isinstance(item, Delta) and isinstance(item.error, EngineDead)

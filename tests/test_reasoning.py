@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiny_model import reasoning_model
 
 import aiollama
-from aiollama import Chunk, Engine, FinishReason, reasoning
+from aiollama import Chunk, Engine, FinishReason
+from aiollama.formats import reasoning
 from aiollama.server.shape import ChatChoice
-from tiny_model import reasoning_model
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["answer"]}

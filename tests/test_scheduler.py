@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_kv import FakeKV
 
 from aiollama.errors import ContextFull
-from aiollama.kvcache import MIN_PARK_TOKENS, Phase
-from aiollama.scheduler import MIN_PREFILL_CHUNK, Scheduler, common_prefix
-from aiollama.step import Compact, Copy, Plan, Sampled, StepResult, StepStatus
-from fake_kv import FakeKV
+from aiollama.sched.kvcache import MIN_PARK_TOKENS
+from aiollama.sched.scheduler import MIN_PREFILL_CHUNK, Scheduler, common_prefix
+from aiollama.sched.sequence import Phase
+from aiollama.sched.step import Compact, Copy, Plan, Sampled, StepResult, StepStatus
 
 
 class Harness:
@@ -257,7 +258,7 @@ def test_common_prefix() -> None:
 
 
 def test_scheduler_imports_neither_cffi_nor_anyio(tmp_path: Path) -> None:
-    code = ("import sys, aiollama.scheduler, aiollama.kvcache, aiollama.text, aiollama.sampling;"
+    code = ("import sys, aiollama.sched.scheduler, aiollama.sched.kvcache, aiollama.formats.text, aiollama.sampling;"
             "bad = [m for m in ('cffi', '_cffi_backend', 'anyio', 'aiollama._llama_cffi') if m in sys.modules];"
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
@@ -347,9 +348,9 @@ def test_ordered_cells_count_the_draft_tokens_the_executor_removed() -> None:
 @pytest.mark.parametrize("host_bytes", [0, 1 << 20])
 def test_idle_cells_of_a_unified_cache_are_given_back_while_others_run(monkeypatch: pytest.MonkeyPatch,
                                                                       host_bytes: int) -> None:
-    import aiollama.scheduler as scheduler
+    import aiollama.sched.idle as idle
 
-    monkeypatch.setattr(scheduler, "IDLE_CELLS", 8)
+    monkeypatch.setattr(idle, "IDLE_CELLS", 8)
     h = Harness(n_ctx=1024, n_seq_max=8, n_batch=64, step_tokens=64, host_bytes=host_bytes, kv_unified=True)
     shared = list(range(1, 41))
     h.start(1, shared + list(range(100, 140)), 4)  # 83 cells, the first 40 a system prompt

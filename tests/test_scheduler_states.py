@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import os
 
+from fake_kv import FakeKV
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from aiollama.errors import ContextFull
-from aiollama.kvcache import Phase
-from aiollama.kvtree import common_prefix
-from aiollama.scheduler import Scheduler
-from aiollama.step import Plan, Sampled, StepResult, StepStatus
-from fake_kv import FakeKV
+from aiollama.sched.kvtree import common_prefix
+from aiollama.sched.scheduler import Scheduler
+from aiollama.sched.sequence import Phase
+from aiollama.sched.step import Plan, Sampled, StepResult, StepStatus
 
 N_CTX, N_SEQ_IDS, MAX_RUNNING, N_BATCH, STEP, HOST = 96, 6, 3, 24, 12, 6000
 tokens = st.lists(st.integers(1, 50), min_size=1, max_size=30)

@@ -9,7 +9,6 @@ from typing import Any
 
 import anyio
 import pytest
-
 from server_process import TIMEOUT, Server
 
 openai = pytest.importorskip("openai")
@@ -257,7 +256,7 @@ async def test_the_embedding_example(tiny_path: Path) -> None:
 
 
 async def test_streams_past_the_grace_period_end_with_an_error_event(tiny_path: Path) -> None:
-    short = Server(tiny_path, "--n-ctx", "4096", "--grace", "1", "--log-level", "warning")
+    short = Server(tiny_path, "--n-ctx", "4096", "--unified-cache", "--grace", "1", "--log-level", "warning")
     try:
         async with short.client() as client:
             stream = await client.completions.create(model="x", prompt="Go on", max_tokens=3500, stream=True)

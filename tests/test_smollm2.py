@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
+from helpers import first_greedy_tokens
 
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain
-from helpers import first_greedy_tokens
 
 pytestmark = pytest.mark.smollm2
 

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_executor import FakeExecutor
 
 from aiollama import Engine, EngineConfig, InvalidRequestError
-from aiollama.speculation import DraftLength, draft
-from fake_executor import FakeExecutor
+from aiollama.sched.speculation import DraftLength, draft
 
 GREEDY: dict[str, Any] = dict(temperature=0.0, ignore_eos=True)
 

@@ -10,11 +10,12 @@ from typing import Any
 
 import anyio
 import pytest
-
-from aiollama import ContextFull, Engine, EngineConfig, InvalidRequestError
-from aiollama.native import Context
 from helpers import GREEDY, gather, solo, wait_for
 from server_process import Server
+
+from aiollama import ContextFull, Engine, EngineConfig, InvalidRequestError
+from aiollama.cli import parser, serve_n_ctx
+from aiollama.native import Context
 
 pytestmark = pytest.mark.anyio
 
@@ -163,3 +164,20 @@ async def test_a_step_gives_llama_cpp_its_sequences_in_seq_id_order(engine: Engi
     assert all(o == sorted(o) for o in orders)
     for c in (first[0], first[2], first[3], late):
         await c.aclose()
+
+
+@pytest.mark.parametrize(("argv", "unified", "n_ctx"), [
+    ([], False, 16 * 2048),                                      # each request 2,048 cells, as llama-server's slots
+    (["--n-seq-max", "2"], False, 8192),                         # and at least 8,192 in all
+    (["--n-ctx", "4096"], False, 4096),
+    (["--unified-cache"], True, EngineConfig.n_ctx),
+    (["--unified-cache", "-c", "2048"], True, 2048),
+])
+def test_the_server_splits_its_cache_by_default(argv: list[str], unified: bool, n_ctx: int) -> None:
+    args = parser().parse_args(["serve", "m.gguf", *argv])
+    assert args.unified_cache is unified and serve_n_ctx(args) == n_ctx
+
+
+def test_split_and_unified_cannot_both_be_asked() -> None:
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--split-cache", "--unified-cache"])

@@ -9,6 +9,8 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
+from fake_executor import FakeExecutor, next_token
+from helpers import GREEDY, gather, wait_for
 
 from aiollama import (
     ConversationBusy,
@@ -19,9 +21,7 @@ from aiollama import (
     SamplingParams,
     SyncEngine,
 )
-from aiollama.scheduler import AGING_SECONDS, Scheduler
-from fake_executor import FakeExecutor, next_token
-from helpers import GREEDY, gather, wait_for
+from aiollama.sched.scheduler import AGING_SECONDS, Scheduler
 
 
 def fake(config: EngineConfig) -> FakeExecutor:

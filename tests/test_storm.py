@@ -8,9 +8,9 @@ from pathlib import Path
 
 import anyio
 import pytest
+from helpers import GREEDY
 
 from aiollama import Engine
-from helpers import GREEDY
 
 pytestmark = pytest.mark.anyio
 

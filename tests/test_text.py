@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiollama.text import TextAssembler
+from aiollama.formats.text import TextAssembler
 
 
 def run(pieces: list[bytes], stop: tuple[str, ...] = ()) -> tuple[list[str], bool]:
@@ -57,8 +57,8 @@ def test_stop_across_any_split(split: int) -> None:
 
 
 def test_a_stream_read_after_context_shifts_forks_where_its_history_moved() -> None:
-    from aiollama.boundary import Delta
-    from aiollama.stream import TokenHistory
+    from aiollama.api.stream import TokenHistory
+    from aiollama.decoder.outputs import Delta
 
     history = TokenHistory(list(range(10)))
     history.generating()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiollama.hostcache import TokenTrie
-from aiollama.kvtree import common_prefix
+from aiollama.sched.hostcache import TokenTrie
+from aiollama.sched.kvtree import common_prefix
 
 sequences = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 

@@ -8,7 +8,13 @@ import json
 import pytest
 
 from aiollama import InvalidRequestError
-from aiollama.toolcalls import call_schema, describe, might_be_call, parse, tool_names
+from aiollama.formats.toolcalls import (
+    call_schema,
+    describe,
+    might_be_call,
+    parse,
+    tool_names,
+)
 
 NAMES = {"get_weather", "get_time"}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -21,12 +21,12 @@ from typing import Any
 
 import anyio
 import pytest
+from fake_executor import FakeExecutor, solo_tokens
 
 from aiollama import Engine, EngineConfig, EngineDead, SyncEngine
-from aiollama.engine_core import EngineCore
-from aiollama.decode_loop import DecodeLoop
-from aiollama.step import StepStatus
-from fake_executor import FakeExecutor, solo_tokens
+from aiollama.decoder.core import EngineCore
+from aiollama.decoder.loop import DecodeLoop
+from aiollama.sched.step import StepStatus
 
 HERE = Path(__file__).resolve().parent
 GREEDY: dict[str, Any] = dict(temperature=0.0, ignore_eos=True)

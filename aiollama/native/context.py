@@ -7,8 +7,8 @@ A context belongs to one thread at a time: llama.cpp does no locking inside it. 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiollama._validate import integer
@@ -16,16 +16,15 @@ from aiollama.errors import (
     ContextCreateError,
     InvalidBatchError,
     InvalidOutputError,
-    InvalidRequestError,
     InvalidSeqIdError,
     InvalidTokenError,
-    StateRestoreError,
 )
-from aiollama.native.batch import MAX_SEQ, Batch
+from aiollama.native.batch import Batch
 from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
 from aiollama.native.handle import Handle
+from aiollama.native.memory import MemoryOps
 from aiollama.native.model import Model, Vocab
-from aiollama.native.threads import available_cpus
+from aiollama.native.params import context_params
 
 
 class DecodeStatus(enum.IntEnum):
@@ -66,59 +65,7 @@ class Perf:
     n_graph_reused: int
 
 
-POOLING = {"none": lib.LLAMA_POOLING_TYPE_NONE, "mean": lib.LLAMA_POOLING_TYPE_MEAN,
-           "cls": lib.LLAMA_POOLING_TYPE_CLS, "last": lib.LLAMA_POOLING_TYPE_LAST}
-
-
-# KV cache element types (llama-server's --cache-type-k/-v): a quantized V cache needs flash attention
-CACHE_TYPES = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "bf16": lib.GGML_TYPE_BF16,
-               "q8_0": lib.GGML_TYPE_Q8_0, "q4_0": lib.GGML_TYPE_Q4_0, "q4_1": lib.GGML_TYPE_Q4_1,
-               "q5_0": lib.GGML_TYPE_Q5_0, "q5_1": lib.GGML_TYPE_Q5_1}
-
-
-def context_params(*, n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int | None = None, n_seq_max: int = 1,
-                   n_threads: int | None = None, n_threads_batch: int | None = None, kv_unified: bool = True,
-                   flash_attn: bool | None = None, embeddings: bool = False, pooling: str | None = None,
-                   cache_type_k: str = "f16", cache_type_v: str = "f16") -> Any:
-    """A checked ``llama_context_params`` (what :class:`Context` creates its context with).
-
-    Raises InvalidRequestError for a value out of range or a cache type not in ``CACHE_TYPES``.
-    """
-    integer("n_ctx", n_ctx, low=0)
-    integer("n_batch", n_batch, low=1)
-    integer("n_seq_max", n_seq_max, low=1, high=MAX_SEQ)
-    if n_ubatch is not None:
-        integer("n_ubatch", n_ubatch, low=1)
-    threads = available_cpus() if n_threads is None else integer("n_threads", n_threads, low=1)
-    threads_batch = threads if n_threads_batch is None else integer("n_threads_batch", n_threads_batch, low=1)
-    for name, kind in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
-        if kind not in CACHE_TYPES:
-            raise InvalidRequestError(f"{name} must be one of {', '.join(CACHE_TYPES)}, got {kind!r}")
-    if flash_attn is False and cache_type_v not in ("f32", "f16", "bf16"):
-        raise InvalidRequestError(f"a {cache_type_v} V cache needs flash attention: give flash_attn=True or None")
-
-    params = lib.llama_context_default_params()
-    params.n_ctx = n_ctx
-    params.n_batch = n_batch
-    params.n_ubatch = n_ubatch if n_ubatch is not None else min(n_batch, 512)
-    params.n_seq_max = n_seq_max
-    params.n_threads = threads
-    params.n_threads_batch = threads_batch
-    params.kv_unified = kv_unified
-    params.no_perf = False
-    params.embeddings = embeddings
-    params.type_k = CACHE_TYPES[cache_type_k]
-    params.type_v = CACHE_TYPES[cache_type_v]
-    if pooling is not None:
-        if pooling not in POOLING:
-            raise InvalidRequestError(f"pooling must be one of {sorted(POOLING)}, got {pooling!r}")
-        params.pooling_type = POOLING[pooling]
-    if flash_attn is not None:
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    return params
-
-
-class Context(Handle):
+class Context(Handle, MemoryOps):
     """A llama_context over ``model``, which it keeps alive until closed.
 
     Defaults suit a batching engine: a unified KV cache (so ``seq_cp`` shares cells and a fork costs
@@ -304,11 +251,6 @@ class Context(Handle):
             raise InvalidOutputError(f"no pooled embedding for sequence {seq_id} (embeddings off, or no pooling)")
         return list(ffi.unpack(row, self.model.n_embd))
 
-    def memory_clear(self) -> None:
-        """Drop every cell of every sequence."""
-        if self._memory != ffi.NULL:
-            lib.llama_memory_clear(self._mem(), True)
-
     def logits(self, idx: int) -> list[float]:
         """A copy of the logits of batch row ``idx`` of the last decode."""
         ptr = self._get()
@@ -318,86 +260,7 @@ class Context(Handle):
 
     # memory (KV cache)
 
-    def _mem(self) -> Any:
-        """The context's memory (KV cache); InvalidRequestError for a model that has none (an
-        embedding model that attends to whole inputs keeps nothing between decodes)."""
-        self._get()
-        if self._memory == ffi.NULL:
-            raise InvalidRequestError("this context has no memory (an embedding model keeps no KV cache)")
-        return self._memory
-
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """Remove positions [p0, p1) of ``seq_id`` (-1: every sequence; negative bounds: open).
-
-        False when the memory cannot remove part of a sequence (recurrent models).
-        """
-        return bool(lib.llama_memory_seq_rm(self._mem(), self._check_seq(seq_id, allow_all=True), p0, p1))
-
-    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """Make ``dst`` hold ``src``'s positions [p0, p1) too.
-
-        In a unified KV cache this shares cells and copies nothing. In a split cache it copies a whole
-        stream, and a partial range would abort llama.cpp, so it raises InvalidRequestError.
-        """
-        self._get()
-        self._check_seq(src)
-        self._check_seq(dst)
-        if not self.kv_unified and src != dst:
-            size = self.n_ctx_seq
-            partial = (p0 > 0 and p0 + 1 < size) or (p1 > 0 and p1 + 1 < size)
-            if partial:
-                raise InvalidRequestError(
-                    f"seq_cp of the range [{p0}, {p1}) needs a unified KV cache; a split cache "
-                    "(kv_unified=False) can only copy whole sequences (p0=p1=-1)")
-        lib.llama_memory_seq_cp(self._mem(), src, dst, p0, p1)
-
-    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
-        """Add ``delta`` to the positions ``[p0, p1)`` of ``seq_id`` (negative bounds: open).
-
-        Raises InvalidRequestError when the memory cannot move positions (see ``can_shift``).
-        """
-        self._get()
-        if not self.can_shift:
-            raise InvalidRequestError("this model's memory cannot shift positions")
-        lib.llama_memory_seq_add(self._mem(), self._check_seq(seq_id), p0, p1, delta)
-
-    @property
-    def can_shift(self) -> bool:
-        """Whether positions can be moved (``seq_add``): a context shift."""
-        self._get()
-        return self._memory != ffi.NULL and bool(lib.llama_memory_can_shift(self._memory))
-
-    def seq_pos_min(self, seq_id: int) -> int:
-        """The first cached position of ``seq_id``, or -1 if it holds nothing."""
-        self._get()
-        return int(lib.llama_memory_seq_pos_min(self._mem(), self._check_seq(seq_id)))
-
-    def seq_pos_max(self, seq_id: int) -> int:
-        """The last cached position of ``seq_id``, or -1 if it holds nothing."""
-        self._get()
-        return int(lib.llama_memory_seq_pos_max(self._mem(), self._check_seq(seq_id)))
-
     # per-sequence state
-
-    def seq_state(self, seq_id: int) -> bytes:
-        """The KV state of one sequence, to restore later with :meth:`set_seq_state`."""
-        ptr = self._get()
-        self._check_seq(seq_id)
-        if lib.llama_memory_seq_pos_max(self._mem(), seq_id) < 0:
-            return b""
-        size = lib.llama_state_seq_get_size(ptr, seq_id)
-        buf = ffi.new("uint8_t[]", size)
-        n = lib.llama_state_seq_get_data(ptr, buf, size, seq_id)
-        return bytes(ffi.buffer(buf, n))
-
-    def set_seq_state(self, seq_id: int, state: bytes) -> None:
-        """Replace ``seq_id``'s cache with a saved state. Raises StateRestoreError if it does not fit."""
-        ptr = self._get()
-        self._check_seq(seq_id)
-        if not state:
-            raise InvalidRequestError("empty sequence state")
-        if lib.llama_state_seq_set_data(ptr, state, len(state), seq_id) == 0:
-            raise StateRestoreError(f"could not restore the state of sequence {seq_id} (no room, or another layout)")
 
     def perf(self) -> Perf:
         """llama.cpp's timings; they are accumulated when the context synchronizes."""

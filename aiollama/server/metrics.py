@@ -18,7 +18,12 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from aiollama import Statistics

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiollama.errors import InvalidRequestError
+from aiollama.formats.toolcalls import tool_names
 from aiollama.sampling import wrap_seed
-from aiollama.toolcalls import tool_names
 
 MAX_N = 16
 MAX_STOP = 4

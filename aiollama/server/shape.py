@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aiollama import Chunk, FinishReason
-from aiollama import reasoning
-from aiollama.toolcalls import ToolCall, might_be_call, parse
+from aiollama.formats import reasoning
+from aiollama.formats.toolcalls import ToolCall, might_be_call, parse
 
 FINISH = {FinishReason.EOG: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
           FinishReason.CANCELLED: "stop"}

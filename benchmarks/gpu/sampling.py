@@ -14,7 +14,14 @@ import random
 import time
 from typing import Any
 
-from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain, sample_rows
+from aiollama.native import (
+    Batch,
+    Context,
+    DecodeStatus,
+    Model,
+    SamplerChain,
+    sample_rows,
+)
 from aiollama.native.sampler import attach
 
 

@@ -1,0 +1,209 @@
+"""The callers' side of one engine: what every conversation of it shares.
+
+:class:`EngineClient` sends commands to the decode thread, hands out conversation ids, counts
+queued generations, and tokenizes on the caller's thread. It is the only thing conversations talk
+to; nothing here runs on the decode thread or calls llama.cpp, except the thread-safe tokenizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from aiollama.api.portal import AsyncioPortal, AsyncSink, TrioPortal, current_portal
+from aiollama.config import EngineConfig
+from aiollama.decoder.commands import Admission, Command
+from aiollama.decoder.loop import DecodeLoop
+from aiollama.decoder.outputs import Item, Statistics
+from aiollama.errors import (
+    ChatTemplateError,
+    EngineClosed,
+    EngineDead,
+    InvalidRequestError,
+    WrongEventLoop,
+)
+from aiollama.formats import constraints, reasoning
+from aiollama.formats.chat import ChatTemplate, Segment, chat_tokens
+from aiollama.formats.tokens import Tokenizer
+from aiollama.sampling import SamplingParams
+from aiollama.sched.step import Executor
+
+
+class EngineClient:
+    """Starts and stops the decode thread, and carries every caller's request to it.
+
+    ``owner`` is the event loop (or trio token) of an async engine: calls from anywhere else raise
+    ``WrongEventLoop``. None serves plain threads.
+    """
+
+    def __init__(self, config: EngineConfig, open_executor: Callable[[], Executor], owner: Any = None) -> None:
+        self.config = config
+        self.owner = owner
+        self.admission = Admission(config.max_queued)
+        self.decoder = DecodeLoop(config, open_executor, self.admission)
+        self.closed = False
+        self._ids = itertools.count(1)
+        self._tokenizer: Tokenizer | None = None
+        self._chat_template: ChatTemplate | None = None
+        self._thinking: tuple[int, int] | None | bool = False  # False: not looked up yet
+
+    # lifetime
+
+    def start(self) -> None:
+        """Open the executor on the decode thread; blocks until it is ready, re-raises its failure."""
+        self.decoder.start()
+        try:
+            self.decoder.wait_ready()
+        except BaseException:
+            self.close()  # the decode thread has already ended; nothing stays open
+            raise
+        self._tokenizer = self.decoder.tokenizer
+
+    def close(self) -> None:
+        """Stop the decode thread (running streams end with EngineClosed); raises EngineDead if it
+        had failed."""
+        self.closed = True
+        self.decoder.shutdown()
+        if self.decoder.dead is not None:
+            raise self.decoder.dead
+
+    def close_nowait(self) -> None:
+        """Ask the decode thread to stop without waiting for it (from a finalizer, say)."""
+        self.closed = True
+        self.decoder.shutdown(timeout=0)
+
+    @property
+    def dead(self) -> EngineDead | None:
+        return self.decoder.dead
+
+    @property
+    def usable(self) -> bool:
+        return not self.closed and self.decoder.dead is None and self.decoder.alive
+
+    def check(self) -> None:
+        """Raise unless the engine can take requests."""
+        if self.decoder.dead is not None:
+            raise self.decoder.dead
+        if self.closed or self._tokenizer is None:
+            raise EngineClosed("the engine is closed" if self.closed else "the engine is not started")
+
+    def check_loop(self) -> AsyncioPortal | TrioPortal:
+        """The caller's portal; WrongEventLoop if an async engine is used outside its own loop."""
+        portal = current_portal()
+        if self.owner is not None and portal.owner is not self.owner:
+            raise WrongEventLoop("this engine belongs to the event loop that started it; start one "
+                                 "engine per event loop, or use SyncEngine from threads")
+        return portal
+
+    def failure(self) -> BaseException | None:
+        """None while the decode thread runs; otherwise what a caller still waiting on it gets (it
+        answers every request before it ends, so this only matters if it could not)."""
+        decoder = self.decoder
+        if decoder.alive:
+            return None
+        return decoder.dead or EngineClosed("the engine stopped before it answered")
+
+    def async_sink(self, on_item: Callable[[Item], None] | None = None) -> AsyncSink:
+        """An inbox on the caller's event loop (WrongEventLoop elsewhere) that a waiting reader
+        leaves with the engine's error if the engine ends without answering."""
+        return AsyncSink(self.check_loop(), on_item, self.failure)
+
+    def send(self, command: Command) -> None:
+        self.check()
+        self.decoder.send(command)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def statistics(self) -> Statistics:
+        return self.decoder.statistics
+
+    @property
+    def n_ctx(self) -> int:
+        return self.decoder.n_ctx
+
+    @property
+    def fingerprint(self) -> Mapping[str, str | int]:
+        """What a saved conversation must match to be loaded here."""
+        return self.decoder.fingerprint
+
+    # tokens
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        self.check()
+        assert self._tokenizer is not None
+        return self._tokenizer
+
+    def tokenize(self, text: str, *, add_special: bool, special: bool) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=add_special, special=special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.detokenize(tokens)
+
+    def encode(self, content: str | Sequence[int], *, first: bool, special: bool) -> list[int]:
+        """Token ids for a prompt: text is tokenized (BOS on the first prompt), ids are checked."""
+        if isinstance(content, str):
+            return self.tokenize(content, add_special=first, special=special)
+        if isinstance(content, (bytes, bytearray)) or not isinstance(content, Sequence):
+            raise InvalidRequestError(f"a prompt is text or a sequence of token ids, got {type(content).__name__}")
+        tokenizer = self.tokenizer
+        return [tokenizer.check_token(t) for t in content]
+
+    @property
+    def thinking_tokens(self) -> tuple[int, int] | None:
+        """The tokens ``<think>`` and ``</think>`` of a reasoning model (each one token of its
+        vocabulary), or None."""
+        if self._thinking is False:
+            tokenizer, found = self.tokenizer, []
+            for marker in (reasoning.START, reasoning.END):
+                ids = tokenizer.tokenize(marker, add_special=False, special=True)
+                if len(ids) == 1 and tokenizer.token_text(ids[0]) == marker:
+                    found.append(ids[0])
+            self._thinking = (found[0], found[1]) if len(found) == 2 else None
+        assert self._thinking is not True
+        return self._thinking
+
+    def in_thinking(self, prompt_tail: Sequence[int]) -> bool:
+        """Whether a prompt ending with these tokens leaves the model inside a thinking block."""
+        return reasoning.opened(self.detokenize(prompt_tail))
+
+    def constraint(self, params: SamplingParams, *, inside_thinking: bool = False) -> Any:
+        """The compiled constraint (an llguidance matcher) ``params`` ask for, or None. Raises
+        GrammarError if it does not compile: a stream never runs unconstrained by mistake. For a
+        reasoning model the constraint starts after the thinking block (``inside_thinking``: the
+        prompt opened it)."""
+        return constraints.compile_for(params, lambda: self.tokenizer.guidance(), thinking=self.thinking_tokens,
+                                       inside=inside_thinking)
+
+    # chat
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (built on first use)."""
+        if self._chat_template is None:
+            tokenizer = self.tokenizer
+            source = tokenizer.chat_template()
+            texts = {t: tokenizer.token_text(t) for t in (tokenizer.bos, tokenizer.eos, tokenizer.eot) if t >= 0}
+
+            def builtin(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+                try:
+                    return tokenizer.builtin_chat(messages, source or "chatml", add_generation_prompt)
+                except InvalidRequestError:  # a template llama.cpp does not recognize
+                    return tokenizer.builtin_chat(messages, "chatml", add_generation_prompt)
+
+            self._chat_template = ChatTemplate(
+                source, bos_token=texts.get(tokenizer.bos, ""), eos_token=texts.get(tokenizer.eos, ""),
+                builtin=builtin, eog_texts=[texts[t] for t in (tokenizer.eot, tokenizer.eos) if t in texts])
+        return self._chat_template
+
+    def chat_tokens(self, parts: list[Segment], *, first: bool) -> list[int]:
+        """Tokens of rendered chat text: split only at the template's own special tokens."""
+        return chat_tokens(self.tokenizer, parts, first=first)
+
+    def check_template_text(self, text: str) -> None:
+        """Text a template writes as its own (a role, a tool call) must hold no special-token text."""
+        if self.tokenize(text, add_special=False, special=True) != self.tokenize(text, add_special=False,
+                                                                                  special=False):
+            raise ChatTemplateError(f"{text[:80]!r} holds special-token text (a role or a tool call)")

@@ -1,0 +1,395 @@
+"""Conversations: the public face of the engine.
+
+A conversation is the whole token history. ``prompt()`` appends to it without blocking; ``stream()``
+generates a continuation of everything prompted and generated so far; ``fork()`` branches it, and the
+branches share the KV cells of their common prefix; ``rewind()`` cuts its end; ``save()`` writes it
+to a file that ``Engine.load()`` reads back. Every call only queues a command for the decode thread;
+none of this code calls into llama.cpp, except the tokenizer, which is thread-safe.
+
+A conversation knows its own history (``tokens``) as it was delivered to its caller: prompts as
+they are given, generated tokens as their chunks arrive. Forking a conversation while it streams
+branches it at what the stream has yielded so far. Prompting a conversation while it streams
+appends after that generation ends.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+
+from aiollama._validate import number
+from aiollama.api.chat_turns import ChatTurns
+from aiollama.api.client import EngineClient
+from aiollama.api.portal import AsyncSink
+from aiollama.api.stream import Chunk, Completion, Stream, StreamBase, TokenHistory
+from aiollama.decoder.commands import (
+    Cancel,
+    Close,
+    Fork,
+    Generate,
+    Prompt,
+    Rewind,
+    Save,
+)
+from aiollama.decoder.outputs import Delta, Item, Snapshot
+from aiollama.errors import (
+    ContextFull,
+    ConversationBusy,
+    ConversationClosed,
+    InvalidRequestError,
+    Overloaded,
+)
+from aiollama.formats import savefile
+from aiollama.formats.chat import Messages
+from aiollama.formats.toolcalls import call_schema, tool_names
+from aiollama.sampling import SamplingParams
+
+__all__ = ["Chunk", "Completion", "Conversation", "Stream"]
+
+_C = TypeVar("_C", bound="_ConversationBase")
+
+GUIDANCE = ("guidance", "guidance_scale")  # stream parameters that are not sampling parameters
+
+
+class _ConversationBase:
+    def __init__(self, client: EngineClient, conv_id: int, *, tokens: Sequence[int] = ()) -> None:
+        self._client = client
+        self.id = conv_id
+        self._history = TokenHistory(tokens)
+        self._chat = ChatTurns()
+        self._closed = False
+        self._last_stream: weakref.ref[StreamBase] | None = None
+        self._tool_names: list[str] = []  # the tools the current chat turn offered
+
+    def _check(self) -> None:
+        self._client.check()
+        if self._closed:
+            raise ConversationClosed("the conversation is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The conversation's history as delivered to its caller: every prompt, and every token
+        generated (an end-of-generation token too) once its chunk has arrived. Prompts given while a
+        stream runs come last, after the tokens that stream has delivered so far."""
+        known, waiting = self._history.snapshot()
+        return tuple(known + [t for tokens in waiting for t in tokens])
+
+    def __len__(self) -> int:
+        return len(self._history)
+
+    def __bool__(self) -> bool:
+        return True  # an empty conversation is still a conversation (``if conv:`` stays true)
+
+    def prompt(self, content: str | Sequence[int], *, special: bool = False) -> None:
+        """Append text or token ids to the conversation. Never blocks.
+
+        The first text prompt of a conversation gets BOS as the model's metadata asks; token ids are
+        taken as they are. ``special`` parses special-token text (``<|im_start|>``) into those tokens.
+
+        Raises:
+            InvalidTokenError: a token id outside the vocabulary.
+            InvalidRequestError: content that is empty, or neither text nor token ids.
+            ContextFull: a prompt as long as the context or longer.
+            ConversationClosed, EngineClosed, EngineDead.
+        """
+        self._check()
+        tokens = self._client.encode(content, first=len(self) == 0, special=special)
+        if not tokens or (isinstance(content, str) and not content):
+            raise InvalidRequestError("a prompt must not be empty")
+        self._append(tokens)
+
+    def _append(self, tokens: list[int]) -> None:
+        n_ctx = self._client.n_ctx
+        if len(tokens) >= n_ctx:
+            raise ContextFull(f"a prompt of {len(tokens)} tokens does not fit a context of {n_ctx} "
+                              "with room to generate")
+        self._client.send(Prompt(self.id, tuple(tokens)))
+        self._history.prompt(tokens)
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The chat so far: every message given to ``chat()`` and the replies streamed back."""
+        return self._chat.messages
+
+    def append_chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None) -> int:
+        """Append ``messages`` as the next chat turn, with the assistant's generation prompt, without
+        generating (``chat()`` does both; a ``stream()`` afterwards is the turn's reply). ``tools``
+        (OpenAI-style function tools) reach the template. Returns the number of tokens appended.
+        Never blocks."""
+        self._check()
+        self._check_idle()
+        start = len(self)
+        tokens, new = self._chat.render(self._client, messages, first=start == 0, tools=tools)
+        self._append(tokens)
+        self._tool_names = tool_names(tools) if tools else []
+        self._chat.appended(start, len(tokens), new)
+        return len(tokens)
+
+    def _chat_turn(self, messages: Messages, params: dict[str, Any], tools: list[dict[str, Any]] | None,
+                   tool_choice: Any) -> dict[str, Any]:
+        """Append a turn; the stream's parameters, with the constraint ``tool_choice`` asks for."""
+        self._check()
+        if tools:
+            tool_names(tools)  # checks every definition before anything is appended
+            schema = call_schema(tools, tool_choice)
+            if schema is not None:
+                if any(params.get(k) is not None for k in ("grammar", "json_schema", "regex", "lark")):
+                    raise InvalidRequestError("tool_choice 'required' or a named function constrains the output; "
+                                              "give no other constraint with it")
+                params = {**params, "json_schema": schema}
+            if tool_choice == "none":
+                tools = None
+        # a bad parameter must not leave half a turn behind
+        SamplingParams.from_kwargs(**{k: v for k, v in params.items() if k not in GUIDANCE})
+        self.append_chat(messages, tools=tools)
+        return params
+
+    def _check_idle(self) -> None:
+        last = self._last_stream() if self._last_stream is not None else None
+        if last is not None and last.running:
+            raise ConversationBusy("the conversation is already generating: read that stream to its "
+                                   "end or cancel it first")
+
+    def _check_settled(self, what: str) -> None:
+        last = self._last_stream() if self._last_stream is not None else None
+        if (last is not None and last.running) or self._history.in_flight:
+            raise ConversationBusy(f"{what} waits until the last stream has ended: read it to its end "
+                                   "(or await stream.aclose()) first")
+
+    def fork(self: _C) -> _C:
+        """A new conversation with this one's history, sharing its KV prefix. Never blocks.
+
+        Forking while a stream runs branches at what that stream has yielded to its reader so far;
+        prompts given meanwhile follow there too.
+        """
+        self._check()
+        known, waiting = self._history.branch()
+        child = type(self)(self._client, self._client.new_id(), tokens=known)
+        self._client.send(Fork(self.id, child.id, len(known)))
+        for tokens in waiting:
+            child._append(list(tokens))
+        child._chat = self._chat.copy()
+        return child
+
+    def rewind(self, n: int) -> None:
+        """Drop the last ``n`` tokens, to generate differently from there (regenerate a reply, say).
+        Never blocks. In a chat, cutting to where a reply began lets the next ``stream()`` be that
+        reply again, and cutting to where a turn began removes the turn from ``messages``.
+
+        Raises:
+            ConversationBusy: a stream of this conversation has not ended yet.
+            InvalidRequestError: ``n`` is not an int in ``[0, len(conv)]``.
+            ConversationClosed, EngineClosed, EngineDead.
+        """
+        self._check()
+        self._check_settled("rewind()")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(self):
+            raise InvalidRequestError(f"rewind() takes a number of tokens in [0, {len(self)}], got {n!r}")
+        keep = len(self) - n
+        self._client.send(Rewind(self.id, keep))
+        self._history.rewind(keep)
+        self._chat.rewound(keep, self._client.detokenize)
+
+    def _save_request(self, sink: AsyncSink) -> None:
+        self._check()
+        self._check_settled("save()")
+        self._client.send(Save(self.id, sink))
+
+    def _saved(self, item: Item) -> bytes:
+        if isinstance(item, Delta) and item.error is not None:
+            raise item.error
+        assert isinstance(item, Snapshot)
+        return savefile.dump(savefile.Saved(item.tokens, item.n_cached, item.state, self._chat.state(),
+                                            self._client.fingerprint))
+
+    def _guidance(self, params: dict[str, Any]) -> tuple[_ConversationBase | None, float]:
+        """Take ``guidance`` and ``guidance_scale`` out of a stream's parameters, checked."""
+        guide = params.pop("guidance", None)
+        scale = params.pop("guidance_scale", None)
+        if guide is None:
+            if scale is not None:
+                raise InvalidRequestError("guidance_scale needs guidance=<a conversation>")
+            return None, 1.0
+        if not isinstance(guide, _ConversationBase) or guide._client is not self._client:
+            raise InvalidRequestError(f"guidance must be a conversation of the same engine, got {guide!r}")
+        if guide is self:
+            raise InvalidRequestError("a conversation cannot guide its own stream")
+        scale = 1.0 if scale is None else number("guidance_scale", scale)
+        guide._check()
+        guide._check_settled("guiding another stream")
+        if not len(guide):
+            raise InvalidRequestError("the guidance conversation is empty: prompt it first")
+        return guide, scale
+
+    def _take(self, guide: _ConversationBase | None) -> Callable[[Item], None]:
+        """What the stream's sink does with each delivered item: the histories it extends."""
+        if guide is None:
+            return self._history.take
+        mine, theirs = self._history.take, guide._history.take
+
+        def take(item: Item) -> None:
+            mine(item)
+            theirs(item)
+        return take
+
+    def _start(self, params: dict[str, Any], sink: AsyncSink, stream: StreamBase,
+               guide: _ConversationBase | None = None, scale: float = 1.0) -> None:
+        created = time.perf_counter()
+        self._check()
+        sampling = SamplingParams.from_kwargs(**params)
+        self._check_idle()
+        if guide is not None:
+            if sampling.context_shift:
+                raise InvalidRequestError("a guided stream cannot shift its context: the two histories stay in step")
+        inside = self._client.in_thinking(self._history.tokens[-4:])
+        matcher = self._client.constraint(sampling, inside_thinking=inside)
+        admission = self._client.admission
+        if not admission.enter():
+            raise Overloaded(f"{admission.limit} generations are already waiting (max_queued); retry later")
+        start = len(self)
+        self._history.generating()  # before the command: its answer may come at once (SyncEngine)
+        if guide is not None:
+            guide._history.generating()
+        try:
+            self._client.send(Generate(self.id, sampling, sink, matcher, None if guide is None else guide.id,
+                                     scale, created))
+        except BaseException:
+            admission.leave()
+            self._history.not_generating()
+            if guide is not None:
+                guide._history.not_generating()
+            raise
+        if guide is not None:
+            guide._last_stream = weakref.ref(stream)
+        self._chat.streaming(start, stream._result)
+        stream._result.tool_names, self._tool_names = self._tool_names, []
+        stream._result.in_thinking = inside
+        self._last_stream = weakref.ref(stream)
+
+    def _close_command(self, ack: AsyncSink) -> bool:
+        """Mark closed and ask the decode thread to free everything; False if nothing to wait for."""
+        if self._closed:
+            return False
+        self._closed = True
+        if not self._client.usable:
+            return False
+        self._client.send(Close(self.id, ack))
+        return True
+
+    def close_nowait(self) -> None:
+        """Close without waiting: the decode thread frees the seq id and cells at its next step."""
+        if not self._closed:
+            self._closed = True
+            if self._client.usable:
+                self._client.send(Close(self.id))
+
+    def _cancel(self) -> None:
+        if not self._closed and self._client.usable:
+            self._client.send(Cancel(self.id))
+
+    def __del__(self) -> None:
+        # A forgotten conversation frees its cells: only a command is queued (see StreamBase).
+        try:
+            self.close_nowait()
+        except Exception:  # noqa: BLE001 - the engine may already be gone
+            pass
+
+
+class Conversation(_ConversationBase):
+    """A conversation for async code (asyncio or trio). Create it with ``Engine.conversation()``.
+
+    It belongs to the engine's event loop: its methods raise ``WrongEventLoop`` anywhere else.
+    """
+
+    def _check(self) -> None:
+        super()._check()
+        self._client.check_loop()
+
+    def stream(self, **params: Any) -> Stream:
+        """Start generating; returns a :class:`Stream` to iterate or await.
+
+        Parameters are those of :class:`aiollama.sampling.SamplingParams` (max_tokens, temperature,
+        top_k, top_p, min_p, typical_p, repeat_penalty, frequency_penalty, presence_penalty,
+        penalty_last_n, seed, logit_bias, grammar, stop, ignore_eos, context_shift, n_keep,
+        draft_tokens, json_schema, regex, lark, logprobs, top_logprobs, logits_processors, priority).
+
+        ``guidance=other`` with ``guidance_scale=w`` (classifier-free guidance): ``other``, a
+        conversation of the same engine (a negative prompt, say), is decoded in the same batch at
+        every step, this stream samples from ``g + w * (l - g)`` (``l`` its own logits, ``g``
+        the other's), and each token chosen is appended to both. Scale 1 is the plain stream.
+        ``other`` counts as generating until the stream ends: its prompts wait, it cannot stream.
+
+        Raises:
+            InvalidRequestError: a bad parameter (a ValueError naming it).
+            ConversationBusy: the previous stream is neither finished nor cancelled.
+            Overloaded: ``max_queued`` generations are already waiting.
+            ConversationClosed, EngineClosed, EngineDead.
+        The stream itself raises ContextFull when the history fills the context (unless it shifts
+        the context), and GrammarError for a grammar that does not parse.
+        """
+        guide, scale = self._guidance(params)
+        sink = self._client.async_sink(self._take(guide))
+        stream = Stream(self._history, self._cancel, sink)
+        self._start(params, sink, stream, guide, scale)
+        return stream
+
+    def chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = "auto",
+             **params: Any) -> Stream:
+        """Append a chat turn in the model's own template, then stream the assistant's reply.
+
+        ``messages`` is a str (one user message), a {"role", "content"} mapping, or a list of them
+        (assistant messages with ``tool_calls`` and ``tool`` messages too). Each call appends to this
+        conversation: earlier turns stay in the KV cache and are never evaluated again. Content is
+        plain text: it never becomes control tokens. ``tools`` are OpenAI-style function tools, given
+        to the template (or described in a system message when it has no place for them); the
+        completion's ``tool_calls`` are the calls the reply makes. ``tool_choice`` "required" or
+        ``{"type": "function", "function": {"name": ...}}`` constrains the reply to a valid call,
+        "none" offers no tools. Parameters are those of ``stream()``.
+
+        Raises:
+            ChatTemplateError: a malformed message, a role with special-token text, or messages the
+                template refuses.
+            ConversationBusy, InvalidRequestError, ContextFull, and what ``stream()`` raises. If
+            ``stream()`` raises (``Overloaded``), the turn stays appended: call ``stream()`` later
+            for the reply.
+        """
+        params = self._chat_turn(messages, params, tools, tool_choice)
+        return self.stream(**params)
+
+    async def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the conversation to ``path``: its tokens, a copy of its KV cells, its chat, and a
+        fingerprint of the model; ``Engine.load(path)`` brings it back without evaluating again.
+
+        Raises ConversationBusy while a stream of it has not ended, and OSError if the file cannot be
+        written.
+        """
+        sink = self._client.async_sink()
+        self._save_request(sink)
+        with anyio.CancelScope(shield=True):
+            data = self._saved(await sink.get())
+        await anyio.to_thread.run_sync(savefile.write_file, path, data)
+
+    async def aclose(self) -> None:
+        """End any generation and free the conversation; its cached prefix stays in the engine's
+        prefix cache for any later conversation that starts with it. Idempotent."""
+        sink = self._client.async_sink()
+        if self._close_command(sink):
+            with anyio.CancelScope(shield=True):
+                await sink.get()
+
+    async def __aenter__(self) -> Conversation:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()

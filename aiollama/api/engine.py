@@ -1,0 +1,316 @@
+"""The engine: one model, one context, one decode thread, any number of conversations.
+
+``Engine`` serves async code (asyncio or trio, through anyio); ``SyncEngine`` serves plain threads.
+Both put their conversations into the same batches: neither takes a lock around decoding, and no
+caller gets a context of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+
+from aiollama.api.chat_turns import ChatTurns, tools_as_text
+from aiollama.api.client import EngineClient
+from aiollama.api.conversation import Completion, Conversation
+from aiollama.api.portal import AsyncSink, current_portal
+from aiollama.config import EngineConfig
+from aiollama.decoder.commands import ClearCache, Embed, Load, NewConversation
+from aiollama.decoder.outputs import Delta, Item, Statistics, Vectors
+from aiollama.errors import (
+    ConversationFileError,
+    EngineClosed,
+    EngineDead,
+    InvalidRequestError,
+)
+from aiollama.formats import savefile
+from aiollama.formats.chat import Messages, normalize
+from aiollama.formats.toolcalls import tool_names
+from aiollama.models import default_model
+from aiollama.runner.executor import NativeExecutor
+from aiollama.sampling import seed_for
+from aiollama.sched.step import Executor
+
+ExecutorFactory = Callable[[EngineConfig], Executor]
+
+
+def _native(config: EngineConfig) -> Executor:
+    assert config.model_path is not None
+    return NativeExecutor(config, config.model_path)
+
+
+class _EngineBase:
+    """What the async and the blocking engines share.
+
+    ``model_path`` None serves the default model (fetched on first use). ``options`` are the fields
+    of :class:`~aiollama.config.EngineConfig`: ``n_ctx``, ``n_seq_max``, ``n_batch``,
+    ``step_tokens``, ``n_threads``, ``n_gpu_layers``, ``max_queued``; an unknown or out-of-range one
+    raises ``InvalidRequestError`` at once. ``executor`` replaces llama.cpp with another
+    :class:`~aiollama.sched.step.Executor` (a fake one in tests), built on the decode thread from the
+    config.
+    """
+
+    def __init__(self, model_path: str | os.PathLike[str] | None = None, *,
+                 executor: ExecutorFactory | None = None, **options: Any) -> None:
+        self._config = EngineConfig.from_options(model_path, **options)
+        self._executor = executor
+        self._engine_client: EngineClient | None = None
+
+    def __del__(self) -> None:
+        client = getattr(self, "_engine_client", None)
+        if client is not None and not client.closed:
+            warnings.warn("unclosed aiollama engine: use 'async with' / 'with', or close it",
+                          ResourceWarning, source=self, stacklevel=2)
+            client.close_nowait()  # asks the decode thread to stop; does not wait
+
+    def _start(self, owner: Any = None) -> None:
+        if self._engine_client is not None:
+            raise RuntimeError("the engine was already started")
+        config, factory = self._config, self._executor
+        if factory is None:
+            factory = _native
+            if config.model_path is None:
+                config = self._config = dataclasses.replace(config, model_path=default_model())
+        client = EngineClient(config, lambda: factory(config), owner)
+        client.start()
+        self._engine_client = client
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's settings (with the default model's path once started without one)."""
+        return self._config
+
+    @property
+    def model_path(self) -> os.PathLike[str] | None:
+        """The GGUF file the engine serves (None before an engine of the default model starts)."""
+        return self._config.model_path
+
+    @property
+    def _client(self) -> EngineClient:
+        if self._engine_client is None:
+            raise EngineClosed("the engine is not started: use 'async with' / 'with', or start it")
+        return self._engine_client
+
+    @property
+    def serving(self) -> bool:
+        """True while the engine takes requests: started, not closed, its decode thread alive."""
+        return self._engine_client is not None and self._engine_client.usable
+
+    def tokenize(self, text: str, *, add_special: bool = False, special: bool = False) -> list[int]:
+        """Token ids for ``text``; thread-safe, does not wait for the decode thread."""
+        return self._client.tokenize(text, add_special=add_special, special=special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._client.detokenize(tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (special tokens as their text); thread-safe."""
+        return self._client.tokenizer.piece(token)
+
+    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The text the model's chat template makes of ``messages`` (offering ``tools``): the prompt
+        ``chat()`` evaluates for a new conversation. Raises ``ChatTemplateError`` for malformed
+        messages, ``InvalidRequestError`` for a malformed tool."""
+        template, new = self._client.chat_template, normalize(messages)
+        if tools:
+            tool_names(tools)
+            if not template.supports_tools:
+                new, tools = tools_as_text(new, tools, first=True), None
+        return template.render(new, add_generation_prompt, tools or None)
+
+    def statistics(self) -> Statistics:
+        """The engine's counters after the latest decode step (conversations, KV cells, tokens, time)."""
+        return self._client.statistics()
+
+    @property
+    def n_ctx(self) -> int:
+        """The tokens one conversation can hold: ``n_ctx`` as given, or its share of a split cache
+        (``kv_unified=False``)."""
+        return self._client.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        """The model's vocabulary size: the length of a logits row."""
+        return self._client.tokenizer.n_vocab
+
+    def _new(self, cls: type[Any], prompt: str | Sequence[int] | None) -> Any:
+        client = self._client
+        client.check()
+        if client.owner is not None:
+            client.check_loop()
+        conv = cls(client, client.new_id())
+        client.send(NewConversation(conv.id))
+        if prompt is not None:
+            conv.prompt(prompt)
+        return conv
+
+    def _loading(self, cls: type[Any], data: bytes, sink: AsyncSink) -> Any:
+        """Check a saved conversation and ask the decode thread to bring it back into ``sink``."""
+        client = self._client
+        client.check()
+        saved = savefile.load(data, client.fingerprint)
+        savefile.check_tokens(saved.tokens, client.tokenizer.n_vocab)
+        try:
+            chat = ChatTurns.from_state(saved.chat)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConversationFileError(f"the saved conversation's chat is malformed: {exc!r}") from None
+        conv = cls(client, client.new_id(), tokens=saved.tokens)
+        conv._chat = chat
+        client.send(Load(conv.id, saved.tokens, saved.n_cached, saved.state, sink))
+        return conv
+
+    def _embed_request(self, texts: str | Sequence[str] | Sequence[Sequence[int]], normalize: bool,
+                       sink: AsyncSink) -> None:
+        client = self._client
+        if isinstance(texts, str):
+            texts = [texts]
+        if not texts:
+            raise InvalidRequestError("embed() needs at least one text")
+        token_lists = tuple(tuple(client.encode(t, first=True, special=False)) for t in texts)
+        client.send(Embed(token_lists, normalize, sink))
+
+    @staticmethod
+    def _vectors(item: Item) -> list[list[float]]:
+        if isinstance(item, Delta) and item.error is not None:
+            raise item.error
+        assert isinstance(item, Vectors)
+        return item.vectors
+
+    def _close(self) -> None:
+        client = self._engine_client
+        if client is None:
+            return
+        if not client.closed:
+            client.close()
+        elif client.dead is not None:
+            raise client.dead
+
+
+class Engine(_EngineBase):
+    """Serves many concurrent conversations from one llama.cpp context, for asyncio and trio.
+
+    ``async with Engine(path, ...) as engine`` loads the model (``path`` None means the default
+    model, fetched on first use) and starts the decode thread; leaving the block ends running
+    generations (their streams raise ``EngineClosed``) and frees everything, and raises
+    ``EngineDead`` if the decode thread had failed. The engine belongs to the event loop that
+    started it (elsewhere: ``WrongEventLoop``). ``step_tokens`` is the per-step token budget: decode
+    rows of running streams go first, prompt chunks share the rest, so a long prompt never stalls
+    streams. ``max_queued`` bounds the generations waiting for a seq id; beyond it ``stream()``
+    raises ``Overloaded``.
+    """
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        try:
+            await self.aclose()
+        except EngineDead:
+            if exc is None:
+                raise  # otherwise the body's own exception (often this EngineDead) goes on
+
+    async def start(self) -> None:
+        """Load the model and start the decode thread (in a worker thread: the loop keeps running).
+
+        The engine then belongs to this event loop; anywhere else it raises ``WrongEventLoop``.
+        """
+        owner = current_portal().owner
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._start, owner)
+
+    async def aclose(self) -> None:
+        """Cancel running generations, stop the decode thread and free all native memory.
+
+        Raises ``EngineDead`` if the decode thread had failed (every stream got it too).
+        """
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._close)
+
+    def close_nowait(self) -> None:
+        """Ask the engine to stop without waiting (running streams end with ``EngineClosed``)."""
+        if self._engine_client is not None:
+            self._engine_client.close_nowait()
+
+    def conversation(self, prompt: str | Sequence[int] | None = None) -> Conversation:
+        """A new, empty conversation (or one holding ``prompt``). Cheap: it takes no seq id yet."""
+        conv: Conversation = self._new(Conversation, prompt)
+        return conv
+
+    async def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *,
+                    normalize: bool = True) -> list[list[float]]:
+        """One embedding per text (or token list), mean-pooled over a generative model's last
+        hidden states, or pooled as a dedicated embedding model (BERT and its kin) says; normalised
+        to unit length unless ``normalize=False``. Many texts go into one decode.
+
+        Raises ContextFull for a text longer than the embeddings context (2048 tokens at most),
+        InvalidRequestError for an empty one.
+        """
+        sink = self._client.async_sink()
+        self._embed_request(texts, normalize, sink)
+        with anyio.CancelScope(shield=True):
+            item = await sink.get()
+        return self._vectors(item)
+
+    async def clear_cache(self) -> None:
+        """Drop the prefix cache: what closed conversations left in the KV cache, and every state
+        parked in host memory. Conversations still open keep theirs."""
+        sink = self._client.async_sink()
+        self._client.send(ClearCache(sink))
+        with anyio.CancelScope(shield=True):
+            await sink.get()
+
+    async def load(self, path: str | os.PathLike[str]) -> Conversation:
+        """A conversation saved with ``Conversation.save``: its tokens, its chat, and its KV cells
+        when they fit (evaluated again when it next streams, otherwise).
+
+        Raises:
+            ConversationFileError: the file is damaged, cut short, or not a saved conversation.
+            ModelMismatch: it was saved from another model or cache layout.
+            OSError: the file cannot be read.
+        Nothing changes in the engine when it raises.
+        """
+        sink = self._client.async_sink()
+        data = await anyio.to_thread.run_sync(_read_file, path)
+        conv: Conversation = self._loading(Conversation, data, sink)
+        with anyio.CancelScope(shield=True):
+            await sink.get()
+        return conv
+
+    async def generate_parallel(self, prompts: Sequence[str | Sequence[int]], **params: Any) -> list[Completion]:
+        """One completion per prompt, in order, generated in the same batches. With a ``seed``,
+        prompt ``i`` is sampled with ``seed + i``."""
+        convs = [self.conversation(p) for p in prompts]
+        results: list[Completion | None] = [None] * len(convs)
+        try:
+            streams = [c.stream(**_seeded(params, i)) for i, c in enumerate(convs)]
+
+            async def collect(i: int) -> None:
+                results[i] = await streams[i]
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(streams)):
+                    tg.start_soon(collect, i)
+        finally:
+            for conv in convs:
+                await conv.aclose()
+        return [r for r in results if r is not None]
+
+
+def _read_file(path: str | os.PathLike[str]) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _seeded(params: dict[str, Any], i: int) -> dict[str, Any]:
+    if params.get("seed") is None:
+        return params
+    return {**params, "seed": seed_for(params["seed"], i)}

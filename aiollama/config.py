@@ -1,0 +1,149 @@
+"""The engine's settings: one frozen, checked value, the only place their defaults are written."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from aiollama._validate import MAX_SEQ, integer
+from aiollama.errors import InvalidRequestError
+from aiollama.sampling import MAX_DRAFT_TOKENS
+
+# a draft model's drafts, unless draft_tokens says otherwise
+DRAFT_MODEL_TOKENS = 8
+
+# the KV cache element types llama.cpp can use (llama-server's --cache-type-k/-v)
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+# llama.cpp reserves an output row of n_vocab floats per seq id; the default spends this much on them.
+OUTPUT_ROWS_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An engine's settings, checked on creation; the only place their defaults are written.
+
+    ``model_path`` None means the default model (fetched on first use). ``n_ctx`` is the KV cache
+    shared by every conversation; ``n_seq_max`` how many generations share a batch; ``n_batch`` the
+    most tokens one ``llama_decode`` takes; ``step_tokens`` the per-step token budget (decode rows of
+    running streams first, prompt chunks share the rest); ``n_threads`` None takes the CPUs this
+    process may use; ``max_queued`` bounds the generations waiting for a seq id.
+
+    ``cache_seq_ids`` is how many seq ids the context holds beyond ``n_seq_max``, for idle
+    conversations and cached prefixes to keep their cells under (the total is at most 256). Each id
+    costs llama.cpp an output row of ``n_vocab`` floats, so None takes as many as fit in 64 MiB of
+    them (all 256 for a 49k vocabulary, 64 for a 262k one), and at least 32.
+    ``host_cache_bytes`` is the host memory that cached prefixes and preempted streams are parked in
+    when the context needs their cells (0 turns it off: they are dropped and evaluated again when
+    needed). ``context_shift`` is the default policy for a history that outgrows the context: False
+    raises ``ContextFull`` (a generation that reaches the end finishes with ``length``); True keeps
+    the first ``n_keep`` tokens and drops the older half of the rest. Streams may choose otherwise.
+    ``draft_tokens`` > 0 turns on n-gram speculation: decode steps carry drafts of up to that many
+    tokens taken from the conversation's own history (0: off; streams may choose otherwise).
+    ``draft_model`` is a smaller model with the same vocabulary whose greedy guesses replace the
+    n-gram drafts (``draft_tokens`` then defaults to ``DRAFT_MODEL_TOKENS``).
+    ``backend_sampling`` runs each stream's sampler chain inside the decode graph where the chain
+    allows it (greedy, top-k/p, min-p, temperature, penalties, logit bias; no log-probabilities,
+    logits processors, guidance, constraints or drafts): no logits row is read. It pays where rows
+    are costly to move (a GPU); each change of a sequence's stream rebuilds the graph.
+    ``deterministic`` makes each conversation's logits independent of what runs beside it (see the
+    README's numerics section for what is and is not promised): ggml-cpu's reference kernels, flash
+    attention, no repacked weights, each sequence's cells in position order; CPU only.
+    ``n_gpu_layers`` is how many layers go to the GPU: ``"auto"`` (the default) as many as fit
+    (llama.cpp's own fitting, as ``llama-server -ngl auto``; none in a build or on a machine without
+    a GPU), -1 all of them, 0 none. ``cache_type_k`` and ``cache_type_v`` are the KV cache's element
+    types (f16, q8_0, q4_0...; a quantized V cache needs flash attention); ``flash_attn`` None lets
+    llama.cpp choose.
+    ``kv_unified`` False splits the cache: each seq id gets ``n_ctx`` / (its number of ids) cells of
+    its own (``n_seq_max`` ids, plus ``cache_seq_ids``, which then defaults to 0). A step's attention
+    then reads each sequence's own cells instead of passing over everyone's, which is faster with
+    many streams; but a conversation holds at most that many tokens, and a fork or a cached prefix
+    is copied instead of shared. Not with ``deterministic``.
+    """
+
+    model_path: Path | None = None
+    n_ctx: int = 8192
+    n_seq_max: int = 16
+    n_batch: int = 512
+    step_tokens: int = 256
+    n_threads: int | None = None
+    n_gpu_layers: int | str = "auto"
+    max_queued: int = 1024
+    cache_seq_ids: int | None = None
+    host_cache_bytes: int = 2 * 2**30
+    context_shift: bool = False
+    n_keep: int = 0
+    draft_tokens: int = 0
+    draft_model: Path | None = None
+    deterministic: bool = False
+    backend_sampling: bool = False
+    kv_unified: bool = True
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: bool | None = None
+
+    def __post_init__(self) -> None:
+        integer("n_ctx", self.n_ctx, low=1)
+        integer("n_seq_max", self.n_seq_max, low=1, high=MAX_SEQ)
+        integer("n_batch", self.n_batch, low=1)
+        integer("step_tokens", self.step_tokens, low=1)
+        if self.n_threads is not None:
+            integer("n_threads", self.n_threads, low=1)
+        if self.n_gpu_layers != "auto":
+            integer("n_gpu_layers", self.n_gpu_layers, low=-1)
+        for name in ("cache_type_k", "cache_type_v"):
+            if getattr(self, name) not in CACHE_TYPES:
+                raise InvalidRequestError(f"{name} must be one of {', '.join(CACHE_TYPES)}, got {getattr(self, name)!r}")
+        if self.flash_attn is not None and not isinstance(self.flash_attn, bool):
+            raise InvalidRequestError(f"flash_attn must be True, False or None, got {self.flash_attn!r}")
+        if self.flash_attn is False and self.cache_type_v not in ("f32", "f16", "bf16"):
+            raise InvalidRequestError(f"a {self.cache_type_v} V cache needs flash attention: give flash_attn=True or None")
+        integer("max_queued", self.max_queued, low=0)
+        if self.cache_seq_ids is not None:
+            integer("cache_seq_ids", self.cache_seq_ids, low=0)
+        integer("draft_tokens", self.draft_tokens, low=0, high=MAX_DRAFT_TOKENS)
+        integer("host_cache_bytes", self.host_cache_bytes, low=0)
+        integer("n_keep", self.n_keep, low=0)
+        if not isinstance(self.context_shift, bool):
+            raise InvalidRequestError(f"context_shift must be a bool, got {self.context_shift!r}")
+        if not isinstance(self.deterministic, bool):
+            raise InvalidRequestError(f"deterministic must be a bool, got {self.deterministic!r}")
+        if not isinstance(self.backend_sampling, bool):
+            raise InvalidRequestError(f"backend_sampling must be a bool, got {self.backend_sampling!r}")
+        if not isinstance(self.kv_unified, bool):
+            raise InvalidRequestError(f"kv_unified must be a bool, got {self.kv_unified!r}")
+        if self.deterministic and not self.kv_unified:
+            raise InvalidRequestError("deterministic mode keeps its cells in one unified cache: give kv_unified=True")
+        if self.deterministic and self.n_gpu_layers not in (0, "auto"):
+            raise InvalidRequestError("deterministic mode runs on the CPU: give n_gpu_layers=0")
+        if self.deterministic and (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+            raise InvalidRequestError("deterministic mode keeps an f16 KV cache")
+        if self.model_path is not None:
+            object.__setattr__(self, "model_path", Path(self.model_path))
+        if self.draft_model is not None:
+            if not isinstance(self.draft_model, (str, os.PathLike)):
+                raise InvalidRequestError(f"draft_model must be a path, got {self.draft_model!r}")
+            object.__setattr__(self, "draft_model", Path(self.draft_model))
+            if self.draft_tokens == 0:
+                object.__setattr__(self, "draft_tokens", DRAFT_MODEL_TOKENS)
+
+    def context_seq_ids(self, n_vocab: int) -> int:
+        """The seq ids of the context: ``n_seq_max`` generating, the rest holding cached prefixes."""
+        extra = self.cache_seq_ids
+        if extra is None and not self.kv_unified:
+            extra = 0  # every id splits the cache further
+        elif extra is None:
+            extra = max(32, OUTPUT_ROWS_BYTES // (4 * max(1, n_vocab)))
+        return min(MAX_SEQ, self.n_seq_max + extra)
+
+    @classmethod
+    def from_options(cls, model_path: Any = None, **options: Any) -> EngineConfig:
+        """Build from keyword options; an unknown name raises ``InvalidRequestError`` naming it."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(model_path, **options)
+

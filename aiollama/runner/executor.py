@@ -1,0 +1,307 @@
+"""The executor: the only code on the decode thread that calls llama.cpp.
+
+It owns the model, the context, the batch and one sampler chain per generating conversation, and
+turns a :class:`~aiollama.sched.step.Plan` into a :class:`~aiollama.sched.step.StepResult`: apply the plan's KV
+operations, fill the batch, run ``llama_decode`` (the GIL is released while it runs), sample each
+slice that asks for logits, and read the chosen tokens' bytes. It decides nothing: what to decode
+and what a token means for its stream are the scheduler's and the generations' business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from aiollama._validate import MAX_SEQ
+from aiollama.config import EngineConfig
+from aiollama.errors import (
+    DecodeError,
+    InvalidRequestError,
+    StateRestoreError,
+    UnsupportedModel,
+)
+from aiollama.formats.tokens import Tokenizer
+from aiollama.native import Batch, Context, DecodeStatus, Model, seqstate
+from aiollama.native.devices import fit, placement
+from aiollama.native.params import context_params
+from aiollama.runner.drafter import Drafter
+from aiollama.runner.embedder import Embedder, is_embedding_model
+from aiollama.runner.ordered import OrderedCells
+from aiollama.runner.sampler import Sampling
+from aiollama.runner.tokenizer import VocabTokenizer
+from aiollama.sampling import SamplingParams
+from aiollama.sched.step import (
+    Compact,
+    Copy,
+    Op,
+    Park,
+    Plan,
+    Remove,
+    Restore,
+    Sampled,
+    Shift,
+    Slice,
+    StepResult,
+    StepStatus,
+)
+
+
+def load_model(config: EngineConfig, path: Path) -> Model:
+    """The model, its layers on the GPU as ``config.n_gpu_layers`` says: "auto" fits as many as
+    leave room for a context of the configured shape (none without a GPU, and none in the
+    deterministic mode, which runs on the CPU)."""
+    if config.n_gpu_layers != "auto":
+        return Model(path, n_gpu_layers=int(config.n_gpu_layers), repack=not config.deterministic)
+    if config.deterministic:
+        return Model(path, n_gpu_layers=0, repack=False)
+    # the seq ids are known once the vocabulary is: their output rows weigh little beside the cache
+    shape = context_params(n_ctx=config.n_ctx, n_batch=config.n_batch,
+                           n_seq_max=min(MAX_SEQ, config.n_seq_max + (config.cache_seq_ids or 32)),
+                           n_threads=config.n_threads, kv_unified=config.kv_unified, flash_attn=config.flash_attn,
+                           cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v)
+    return Model(path, fitted=fit(path, shape))
+
+
+def fingerprint(model: Model, cache_types: tuple[str, str] = ("f16", "f16")) -> dict[str, str | int]:
+    """What a saved sequence state must match to be put back: the model (its description, sizes and
+    vocabulary) and the layout of its cache (the element types of its keys and values)."""
+    vocab = model.vocab
+    texts = hashlib.sha256()
+    for token in range(vocab.n_tokens):
+        texts.update(vocab.token_text(token).encode() + b"\0")
+    return {"model": model.description(), "n_params": model.n_params, "size": model.size,
+            "n_vocab": vocab.n_tokens, "n_embd": model.n_embd, "n_layer": model.n_layer,
+            "vocab_sha256": texts.hexdigest(),
+            "kv": f"{'f16' if cache_types == ('f16', 'f16') else '/'.join(cache_types)},unified"}
+
+
+class NativeExecutor:
+    """:class:`~aiollama.sched.step.Executor` over llama.cpp. Build it on the thread that will use it.
+
+    Raises:
+        ModelLoadError (and its subclasses): the model cannot be loaded or served.
+        ContextCreateError: llama.cpp could not create the context.
+    """
+
+    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+        with contextlib.ExitStack() as stack:
+            self.model: Model = stack.enter_context(load_model(config, model_path))
+            if self.model.is_recurrent:
+                raise UnsupportedModel(
+                    f"{model_path.name} is a recurrent or hybrid model; its memory cannot drop the end "
+                    "of a sequence, which this engine needs to share prefixes, preempt and cancel")
+            self.embeds_only = is_embedding_model(self.model)
+            self._embedder: Embedder | None = None
+            if self.embeds_only:  # no KV cache, no generation: the embeddings context is the context
+                self._embedder = Embedder(self.model, n_threads=config.n_threads)
+                stack.callback(self._embedder.close)
+                self.ctx, self.batch = self._embedder.ctx, self._embedder.batch
+            else:
+                # deterministic: every row computed by the same kernels whatever the batch holds,
+                # and attention summed cell by cell (flash attention's reference path), each
+                # sequence's cells in position order (aiollama.runner.ordered: one more seq id)
+                ids = config.context_seq_ids(self.model.vocab.n_tokens)
+                if config.deterministic:
+                    ids = min(ids, MAX_SEQ - 1) + 1
+                self.ctx = stack.enter_context(Context(
+                    self.model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=ids,
+                    n_threads=config.n_threads, kv_unified=config.kv_unified,
+                    flash_attn=True if config.deterministic else config.flash_attn,
+                    cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v,
+                    reference_kernels=config.deterministic))
+                self.batch = stack.enter_context(Batch(self.ctx.n_batch))
+            self._drafter: Drafter | None = None
+            if config.draft_model is not None and not self.embeds_only:
+                self._drafter = Drafter(config.draft_model, self.model.vocab, n_ctx=config.n_ctx,
+                                        n_batch=self.ctx.n_batch, n_seq_max=self.ctx.n_seq_max,
+                                        n_threads=config.n_threads,
+                                        n_gpu_layers=-1 if self.model.n_gpu_layers != 0 else 0)
+                stack.callback(self._drafter.close)
+            self._handles = stack.pop_all()
+        self._threads = config.n_threads
+        # where the weights are; the KV cache of each layer is where its weights are (offload_kqv)
+        self.placement = placement(self.model.n_gpu_layers, self.model.n_layer)
+        self._gpu_decodes = self.placement != "CPU"
+        self.vocab = self.model.vocab
+        self.tokenizer: Tokenizer = VocabTokenizer(self.vocab)
+        self.n_ctx, self.n_seq_max, self.n_batch = self.ctx.n_ctx_seq, self.ctx.n_seq_max, self.ctx.n_batch
+        # a split cache: each seq id's cells are its own, n_ctx_seq of them
+        self.n_cells = self.ctx.n_ctx if self.ctx.kv_unified else self.ctx.n_ctx_seq * self.n_seq_max
+        self.kv_unified = self.ctx.kv_unified
+        self.can_shift = self.ctx.can_shift
+        self.fingerprint: Mapping[str, str | int] = fingerprint(self.model, (config.cache_type_k, config.cache_type_v))
+        self.sampling = Sampling(self.ctx, self.vocab, backend=config.backend_sampling and not self.embeds_only,
+                                 gpu_decodes=self._gpu_decodes)
+        self._order: OrderedCells | None = None
+        if config.deterministic and not self.embeds_only:
+            self.n_seq_max -= 1
+            self._order = OrderedCells(self.ctx, self.n_seq_max)
+            try:
+                self._order.check(self.model, self.batch)
+            except UnsupportedModel:
+                self.close()
+                raise
+
+    def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
+                       matcher: Any = None, guidance: tuple[int, float] | None = None) -> None:
+        if self.embeds_only:
+            raise InvalidRequestError(f"{self.model.path} is an embedding model: it embeds, it does not generate")
+        self.sampling.start(conv, params, history, matcher, guidance)
+
+    def stop_sampling(self, conv: int) -> None:
+        self.sampling.stop(conv)
+
+    def execute(self, plan: Plan, on_decode: Callable[[], None] | None = None) -> StepResult:
+        parked, restored = self._apply(plan.ops)
+        if not plan.slices:
+            return StepResult(StepStatus.OK, parked=parked, restored=restored)
+        slices: Sequence[Slice] = plan.slices
+        if not self.ctx.kv_unified:
+            # llama.cpp puts sequences of a split cache in one ubatch only while their seq ids
+            # follow each other in the batch (0, 1, 2...): any other order is several computes
+            slices = sorted(slices, key=lambda s: s.seq_id)
+        drafted: dict[int, int] = {}
+        if self._drafter is not None and any(s.model_draft for s in slices):
+            slices, drafted = self._model_drafts(self._drafter, slices)
+        if self.sampling.backend:
+            self.sampling.attach(slices)
+        batch = self.batch
+        batch.clear()
+        outputs: list[tuple[int, int]] = []
+        drafts: list[tuple[int, Slice]] = []  # (index in outputs, slice)
+        self.sampling.guide_rows.clear()
+        for s in slices:
+            last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits, n_outputs=s.draft + s.logits)
+            if s.logits:
+                if s.conv not in self.sampling:
+                    self.sampling.guide_rows[s.conv] = last  # a guiding sequence's row, no draft
+                    continue  # the row of a sequence that guides another: read with that one's
+                if s.draft:
+                    drafts.append((len(outputs), s))
+                outputs.append((s.conv, last - s.draft))
+        start = time.perf_counter()
+        try:
+            status = self._decode(batch, on_decode)
+        finally:
+            # Not cleared before the decode: a cancel that arrives between planning and decoding
+            # must still interrupt it.
+            self.ctx.clear_abort()
+        elapsed = time.perf_counter() - start
+        if status is DecodeStatus.OK:
+            failed: dict[int, BaseException] = {}
+            chosen = self.sampling.sample(outputs, failed)
+            if drafts:
+                chosen = self._verify(chosen, outputs, drafts, failed)
+            sampled = tuple(x for got in chosen for x in got)
+            return StepResult(StepStatus.OK, sampled, decode_seconds=elapsed, parked=parked, restored=restored,
+                              failed=failed, drafted=drafted)
+        if status is DecodeStatus.NO_KV_SLOT:
+            return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, parked=parked, restored=restored)
+        # ABORTED and failures keep the ubatches computed before them: say what the context holds
+        n_cached = {s.conv: self.ctx.seq_pos_max(s.seq_id) + 1 for s in plan.slices}
+        kind = StepStatus.ABORTED if status is DecodeStatus.ABORTED else StepStatus.FAILED
+        return StepResult(kind, n_cached=n_cached, decode_seconds=elapsed, detail=f"llama_decode: {status.name}",
+                          parked=parked, restored=restored)
+
+    @staticmethod
+    def _model_drafts(drafter: Drafter, slices: Sequence[Slice]) -> tuple[tuple[Slice, ...], dict[int, int]]:
+        """The slices with the draft model's tokens after their pending one, where it was asked
+        for; and how many each got, by conversation."""
+        asked = [s for s in slices if s.model_draft]
+        got = drafter.draft([(s.seq_id, s.history, s.model_draft) for s in asked])  # pending token last
+        tokens = {s.conv: d for s, d in zip(asked, got) if d}
+        out = tuple(Slice(s.conv, s.seq_id, s.pos, s.tokens + tokens[s.conv], True, len(tokens[s.conv]))
+                    if s.conv in tokens else s for s in slices)
+        return out, {conv: len(d) for conv, d in tokens.items()}
+
+    def _decode(self, batch: Batch, on_decode: Callable[[], None] | None) -> DecodeStatus:
+        return self.ctx.decode(batch, on_decode)
+
+    def _apply(self, ops: Sequence[Op]) -> tuple[dict[int, bytes], dict[int, bool]]:
+        parked: dict[int, bytes] = {}
+        restored: dict[int, bool] = {}
+        for op in ops:
+            if isinstance(op, Remove):
+                self._remove(op.seq_id, op.p0, -1)
+            elif isinstance(op, Copy):
+                if self.ctx.kv_unified:
+                    self.ctx.seq_cp(op.src, op.dst, 0, op.n)
+                else:  # across caches llama.cpp copies a whole sequence: cut the copy after n
+                    self.ctx.seq_cp(op.src, op.dst)
+                    self._remove(op.dst, op.n, -1)
+            elif isinstance(op, Shift):
+                self._remove(op.seq_id, op.p0, op.p0 + op.n)
+                self.ctx.seq_add(op.seq_id, op.p0 + op.n, -1, -op.n)
+            elif isinstance(op, Park):
+                parked[op.key] = self.read_state(op.seq_id)
+            elif isinstance(op, Restore):
+                restored[op.seq_id] = self.write_state(op.seq_id, op.data)
+            elif isinstance(op, Compact):
+                assert self._order is not None
+                self._order.compact(op.relays)
+        return parked, restored
+
+    def _remove(self, seq_id: int, p0: int, p1: int) -> None:
+        if self._order is not None:
+            self._order.hold(seq_id, p0, p1)
+        if not self.ctx.seq_rm(seq_id, p0, p1):
+            raise DecodeError(f"llama.cpp could not remove positions {p0}..{p1} of sequence {seq_id}")
+
+    def read_state(self, seq_id: int) -> bytes:
+        return self.ctx.seq_state(seq_id)
+
+    def embed(self, texts: Sequence[Sequence[int]], normalize: bool = True) -> list[list[float]]:
+        if self._embedder is None:
+            self._embedder = Embedder(self.model, n_threads=self._threads)
+        return self._embedder.embed(texts, normalize)
+
+    def write_state(self, seq_id: int, data: bytes) -> bool:
+        if self.embeds_only:
+            return False
+        try:
+            # a state saved from a cache of another layout (unified, or split in another number of
+            # seq ids) names another number of streams
+            data = seqstate.restream(data, 1 if self.ctx.kv_unified else self.ctx.n_seq_max)
+            if self._order is not None:
+                data = seqstate.ordered(data)  # a state saved elsewhere may hold its cells out of order
+                if not data:
+                    return False
+            self.ctx.set_seq_state(seq_id, data)
+        except (StateRestoreError, seqstate.StateFormatError):
+            return False  # llama.cpp left the sequence empty
+        return True
+
+    def _verify(self, chosen: list[list[Sampled]], outputs: list[tuple[int, int]],
+                drafts: list[tuple[int, Slice]], failed: dict[int, BaseException]) -> list[list[Sampled]]:
+        """Continue the drafted rows: while the token chosen equals the next draft token, choose the
+        next one from that token's row. The cells of the draft tokens not taken are removed."""
+        for i, s in drafts:
+            row = outputs[i][1]
+            draft = s.tokens[1:]
+            got = chosen[i]
+            k = 0
+            while got and k < len(draft) and got[-1].token == draft[k] and not got[-1].eog:
+                k += 1
+                more = self.sampling.sample([(s.conv, row + k)], failed)[0]
+                if not more:
+                    break
+                got += more
+            # the pending token and each draft token followed by a chosen token keep their cells
+            # (what the scheduler counts); after a failed row the last draft token taken waits
+            kept = max(1, len(got))
+            if kept < len(s.tokens):
+                self._remove(s.seq_id, s.pos + kept, -1)
+        return chosen
+
+    def request_abort(self) -> None:
+        self.ctx.request_abort()
+
+    def close(self) -> None:
+        self.sampling.close()
+        if self._embedder is not None and not self.embeds_only:
+            self._embedder.close()  # the one of an embedding model goes with the handles
+        self._handles.close()  # batch, context, model: the reverse of their creation

@@ -1,0 +1,36 @@
+"""Speculation in a step: decode slices of drafting streams get an n-gram draft after their pending
+token (:mod:`aiollama.sched.speculation`), or room for the draft model's, within ``MAX_DRAFT_ROWS``
+rows a step in all: drafts pay where steps are small, not where the batch is already full."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from aiollama.sched import speculation
+from aiollama.sched.sequence import SeqState
+from aiollama.sched.step import Slice
+
+# Draft tokens add at most this many rows to a step in all (the decode rows count too).
+MAX_DRAFT_ROWS = 32
+
+
+def add_drafts(slices: list[Slice], drafting: list[int], seqs: Mapping[int, SeqState], *, n_batch: int, n_ctx: int,
+               draft_model: bool) -> int:
+    """Extend the decode slices at ``drafting`` with drafts, in place; return the rows added."""
+    spare = min(n_batch, MAX_DRAFT_ROWS) - len(slices)
+    added = 0
+    for i in drafting:
+        s = slices[i]
+        seq = seqs[s.conv]
+        assert seq.draft is not None
+        limit = min(seq.draft.current, spare - added, n_ctx - 1 - s.pos)
+        if draft_model:
+            if limit > 0:
+                slices[i] = Slice(s.conv, s.seq_id, s.pos, s.tokens, True, model_draft=limit, history=seq.tokens)
+                added += limit
+            continue
+        tokens = speculation.draft(seq.tokens, limit)
+        if tokens:
+            slices[i] = Slice(s.conv, s.seq_id, s.pos, s.tokens + tokens, True, len(tokens))
+            added += len(tokens)
+    return added

@@ -1,0 +1,124 @@
+"""The sequences a scheduler knows, and its queues: what callers asked for (conversations added,
+prompted, forked, rewound), which generations wait and which run, and preemption, which moves a
+running one back to waiting. :class:`~aiollama.sched.scheduler.Scheduler` builds each step's plan on
+top of it."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from aiollama.sched.kvcache import MIN_PARK_TOKENS, KVManager
+from aiollama.sched.lockstep import generations
+from aiollama.sched.sequence import Phase, SeqState
+from aiollama.sched.step import Op
+
+# A waiting generation's priority improves by one every this many seconds: nothing waits forever.
+AGING_SECONDS = 5.0
+
+
+class Queues:
+    """Every live sequence by conversation, the waiting and the running ones, over ``kv``."""
+
+    def __init__(self, kv: KVManager, clock: Callable[[], float]) -> None:
+        self.kv = kv
+        self.preemptions = 0
+        self._seqs: dict[int, SeqState] = {}
+        self._waiting: deque[SeqState] = deque()
+        self._running: list[SeqState] = []
+        self._clock = clock
+
+    def get(self, conv: int) -> SeqState:
+        return self._seqs[conv]
+
+    def __contains__(self, conv: int) -> bool:
+        return conv in self._seqs
+
+    def sequences(self) -> list[SeqState]:
+        """Every live sequence (a read for tests and statistics; do not modify them)."""
+        return list(self._seqs.values())
+
+    def add(self, conv: int, tokens: Iterable[int] = ()) -> SeqState:
+        if conv in self._seqs:
+            raise KeyError(f"conversation {conv} already exists")
+        seq = SeqState(conv, list(tokens), last_used=self.kv.tick())
+        self._seqs[conv] = seq
+        return seq
+
+    def append(self, conv: int, tokens: Iterable[int]) -> None:
+        seq = self._seqs[conv]
+        seq.tokens.extend(tokens)
+        seq.last_used = self.kv.tick()
+
+    def fork(self, parent: int, child: int, n_tokens: int | None = None) -> SeqState:
+        """The child starts with the parent's first ``n_tokens`` tokens (all of them by default);
+        it shares their KV once it runs (prefix sharing)."""
+        src = self._seqs[parent]
+        src.last_used = self.kv.tick()
+        return self.add(child, src.tokens if n_tokens is None else src.tokens[:n_tokens])
+
+    def rewind(self, conv: int, n_tokens: int) -> None:
+        """Keep only the first ``n_tokens`` tokens of an idle conversation (and of its cache)."""
+        seq = self._seqs[conv]
+        assert seq.phase is Phase.IDLE, "callers rewind only conversations that do not generate"
+        del seq.tokens[n_tokens:]
+        self.kv.truncate(seq, n_tokens)
+        seq.last_used = self.kv.tick()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    @property
+    def n_live(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def n_active(self) -> int:
+        return len(self._running)
+
+    @property
+    def n_queued(self) -> int:
+        return len(self._waiting)
+
+    def take_ops(self) -> tuple[Op, ...]:
+        """KV operations decided outside a plan (a close between steps); they also lead the next plan."""
+        return self.kv.take_ops()
+
+    def _next_waiting(self) -> SeqState:
+        """The waiting generation to admit next: the lowest priority value after aging, then the
+        preempted, then the first come."""
+        now = self._clock()
+        return min(self._waiting, key=lambda s: (s.priority - int((now - s.queued_at) / AGING_SECONDS),
+                                                 not s.preempted, s.queued_at))
+
+    def _preempt_newest(self, only_if_several: bool) -> set[int]:
+        """Preempt the running generation that gives way first (see room.fit)."""
+        if not self._running or (only_if_several and generations(self._running) <= 1):
+            return set()
+        return self._preempt(self._victim())
+
+    def _victim(self) -> SeqState:
+        """The running generation to preempt first: the lowest priority, then the newest."""
+        return max(self._running, key=lambda s: (s.priority, s.started))
+
+    def _preempt(self, seq: SeqState) -> set[int]:
+        """Stop a running generation to free its cells (parked in host memory if it has room), with
+        the sequence that guides it or that it guides; it resumes first among its equals when room
+        returns. Returns the conversations stopped."""
+        owner = seq.owner or seq
+        group = (owner, owner.guide) if owner.guide is not None else (owner,)
+        for s in group:
+            if s.phase is not Phase.RUNNING:
+                continue
+            self._running.remove(s)
+            if self.kv.host.enabled and s.n_cached >= MIN_PARK_TOKENS:
+                self.kv.park(s)
+            self.kv.drop(s)
+            s.phase = Phase.WAITING
+            s.follow = None
+            s.preemptions += 1
+        owner.preempted = True
+        self._waiting.append(owner)
+        self.preemptions += 1
+        return {s.conv for s in group}

@@ -1,0 +1,63 @@
+"""Prefix sharing, the scheduler's policy for a sequence it admits: share the longest prefix some
+holder has cached (``seq_cp``: free in a unified cache, a copy in a split one), or get a parked state
+back from host memory when that saves at least ``MIN_RESTORE_GAIN`` tokens and half the cells it
+takes; and when another running sequence is still prefilling a longer common prefix, wait for it
+(``follow``) instead of evaluating the same tokens twice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from aiollama.sched.kvcache import KVManager
+from aiollama.sched.kvtree import common_prefix
+from aiollama.sched.sequence import Phase, SeqState
+
+# Sharing a prefix that is still being prefilled is worth waiting for only if it saves this much.
+MIN_SHARED_WAIT = 32
+# A parked state comes back only if it saves evaluating at least this many tokens.
+MIN_RESTORE_GAIN = 16
+
+
+def share_prefix(kv: KVManager, seq: SeqState, running: Iterable[SeqState]) -> None:
+    """Share the longest cached prefix of ``seq``, restore a parked one, or arrange to follow a
+    running sequence that is prefilling a longer one."""
+    limit = len(seq.tokens) - 1  # at least one token must be evaluated for logits
+    best, best_n = kv.find(seq.tokens, limit)
+    best_n = max(best_n, seq.n_cached)
+    parked, parked_n = kv.host.best(seq.tokens, limit)
+    if parked is not None and parked_n - best_n >= max(MIN_RESTORE_GAIN, len(parked.tokens) // 2) \
+            and kv.free_cells(len(parked.tokens) + 1):
+        if seq.kv is not None:
+            kv.truncate(seq, 0)
+        kv.restore(seq, parked, parked_n)
+        return
+    if best is not None and best is not seq and best_n > seq.n_cached:
+        kv.share(seq, best, best_n)
+    lead, lead_n = None, 0
+    for other in running:
+        if other is seq or other.follow is not None:
+            continue
+        n = min(common_prefix(seq.tokens, other.tokens), limit)
+        if n > other.n_cached and n > lead_n:
+            lead, lead_n = other, n
+    if lead is not None and lead_n >= seq.n_cached + MIN_SHARED_WAIT:
+        seq.follow = (lead, lead_n)
+
+
+def follow(kv: KVManager, seq: SeqState) -> tuple[bool, int]:
+    """Whether ``seq`` still waits for the leader it follows, and how many tokens it gained by
+    sharing the leader's cells now that they are there."""
+    if seq.follow is None:
+        return False, 0
+    lead, n = seq.follow
+    if lead.seq_id is not None and lead.n_cached >= n and not lead.restoring:
+        seq.follow = None
+        if n > seq.n_cached:
+            gained = n - seq.n_cached
+            kv.share(seq, lead, n)
+            return False, gained
+        return False, 0
+    if lead.phase is Phase.RUNNING and lead.seq_id is not None and lead.pending > 1:
+        return True, 0
+    seq.follow = None  # the leader went away before getting there
+    return False, 0

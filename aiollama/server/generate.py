@@ -1,0 +1,244 @@
+"""Completions and chat completions: a request becomes conversations (``n`` forks of one) and
+streams, whose chunks are shaped into OpenAI's responses or server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from aiollama import Chunk, Conversation, Stream
+from aiollama.errors import (
+    AiollamaError,
+)
+from aiollama.formats.toolcalls import call_schema, tool_names
+from aiollama.sampling import seed_for
+from aiollama.server.requests import (
+    BadRequest,
+    Request,
+    chat_request,
+    completion_request,
+)
+from aiollama.server.shape import ChatChoice, TextChoice
+from aiollama.server.state import State, read_json, serving_engine, translate
+
+
+async def completions(state: State, request: HttpRequest) -> Response:
+    return await _serve(state, request, completion_request(await read_json(request)), chat=False)
+
+
+async def chat_completions(state: State, request: HttpRequest) -> Response:
+    return await _serve(state, request, chat_request(await read_json(request)), chat=True)
+
+
+@dataclass
+class _Job:
+    """One request in flight: its conversations and streams, and each choice's shaped output."""
+
+    id: str
+    chat: bool
+    model: str
+    created: int
+    prompt_tokens: int
+    convs: list[Conversation]
+    streams: list[Stream]
+    started: float
+    choices: list[ChatChoice | TextChoice]
+
+    async def close(self) -> None:
+        for conv in self.convs:
+            await conv.aclose()
+
+
+def _start(state: State, req: Request, chat: bool) -> _Job:
+    engine = serving_engine(state)
+    root = engine.conversation()
+    convs = [root]
+    tools = req.tools if req.tool_choice != "none" else None
+    try:
+        if tools:
+            names = tool_names(tools)
+            schema = call_schema(tools, req.tool_choice)
+            if schema is not None:
+                if "grammar" in req.params or "json_schema" in req.params:
+                    raise BadRequest("tool_choice 'required' or a named function constrains the output; give "
+                                     "no response_format, grammar or json_schema with it", param="tool_choice")
+                req.params["json_schema"] = schema
+        if chat:
+            assert req.messages is not None
+            n_prompt = root.append_chat(req.messages, tools=tools)
+        else:
+            tokens = engine.tokenize(req.prompt, add_special=True) if isinstance(req.prompt, str) else req.prompt
+            assert tokens is not None
+            root.prompt(tokens)
+            n_prompt = len(tokens)
+        if req.n > 1:
+            convs = [root.fork() for _ in range(req.n)]  # the choices share the prompt's cells
+        streams = []
+        for i, conv in enumerate(convs):
+            params = dict(req.params)
+            if "seed" in params:
+                params["seed"] = seed_for(params["seed"], i)
+            streams.append(conv.stream(**params))
+    except BaseException as exc:
+        for conv in {root, *convs}:
+            conv.close_nowait()
+        if isinstance(exc, AiollamaError):
+            raise translate(exc) from None
+        raise
+    if req.n > 1:
+        root.close_nowait()  # the forks hold what they need
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    choices: list[ChatChoice | TextChoice] = [
+        ChatChoice(i, names if tools else [], engine.token_bytes, in_thinking=stream.in_thinking) if chat
+        else TextChoice(i, engine.token_bytes)
+        for i, stream in enumerate(streams)]
+    return _Job(prefix + uuid.uuid4().hex, chat, state.name(), int(time.time()), n_prompt, convs, streams,
+                time.perf_counter(), choices)
+
+
+Item = tuple[int, Chunk | AiollamaError | None]
+
+
+async def _pump(job: _Job, state: State, send: MemoryObjectSendStream[Item]) -> None:
+    """Every choice's chunks, in arrival order, as (index, chunk); (index, None) when it ends, with
+    its finish reason on the stream; (index, error) if it fails."""
+    first = True
+
+    metrics = state.metrics
+
+    async def one(i: int, stream: Stream) -> None:
+        nonlocal first
+        last = 0.0
+        try:
+            try:
+                async for chunk in stream:
+                    if chunk.tokens:
+                        now = time.perf_counter()
+                        if first:
+                            first = False
+                            metrics.time_to_first_token.observe(now - job.started)
+                        if last:
+                            for _ in chunk.tokens:  # a chunk of several tokens (a draft taken) shares its gap
+                                metrics.inter_token_latency.observe((now - last) / len(chunk.tokens))
+                        last = now
+                    await send.send((i, chunk))
+            except AiollamaError as exc:
+                await send.send((i, exc))
+            else:
+                await send.send((i, None))
+            finally:
+                if stream.stats is not None:
+                    metrics.queue_time.observe(stream.stats.queue_seconds)
+                    metrics.e2e_latency.observe(time.perf_counter() - job.started)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the response stopped reading: it is closing the job
+
+    async with send, anyio.create_task_group() as tg:
+        for i, stream in enumerate(job.streams):
+            tg.start_soon(one, i, stream)
+
+
+@asynccontextmanager
+async def _items(job: _Job, state: State) -> AsyncIterator[MemoryObjectReceiveStream[Item]]:
+    """The job's items as they arrive, pumped by tasks that end with the block."""
+    send, receive = anyio.create_memory_object_stream[Item](64)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_pump, job, state, send)
+        async with receive:
+            yield receive
+        tg.cancel_scope.cancel()
+
+
+async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -> Response:
+    job = _start(state, req, chat)
+    if req.stream:
+        return StreamingResponse(_events(job, state, req), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    completion_tokens = 0
+    error: AiollamaError | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+            async with _items(job, state) as items:
+                async for i, item in items:
+                    if isinstance(item, AiollamaError):
+                        error = item
+                        break
+                    if item is not None:
+                        job.choices[i].feed(item)
+                        completion_tokens += len(item.tokens)
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await job.close()
+    if error is not None:
+        raise translate(error)
+    choices = [choice.message(job.streams[i].finish_reason) for i, choice in enumerate(job.choices)]
+    return JSONResponse({"id": job.id, "object": "chat.completion" if chat else "text_completion",
+                         "created": job.created, "model": job.model, "choices": choices,
+                         "usage": _usage(job, completion_tokens)})
+
+
+def _usage(job: _Job, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens not evaluated (found in the prefix cache)."""
+    stats = job.streams[0].stats if job.streams else None
+    cached = min(stats.cached_tokens, job.prompt_tokens) if stats is not None else 0
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": job.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def _cancel_on_disconnect(request: HttpRequest, scope: anyio.CancelScope) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def _events(job: _Job, state: State, req: Request) -> AsyncIterator[str]:
+    """Server-sent events. A client that disconnects cancels this generator, and with it the
+    generation, within a decode step."""
+    kind = "chat.completion.chunk" if job.chat else "text_completion"
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+        payload = {"id": job.id, "object": kind, "created": job.created, "model": job.model,
+                   "choices": choices, **extra}
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    completion_tokens = 0
+    try:
+        if job.chat:
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(len(job.streams))])
+        error: AiollamaError | None = None
+        async with _items(job, state) as items:
+            async for i, item in items:
+                if isinstance(item, AiollamaError):
+                    error = item
+                    break
+                if item is None:
+                    for delta in job.choices[i].finish(job.streams[i].finish_reason):
+                        yield event([delta])
+                else:
+                    completion_tokens += len(item.tokens)
+                    for delta in job.choices[i].feed(item):
+                        yield event([delta])
+        if error is not None:
+            yield f"data: {json.dumps(translate(error).body())}\n\n"
+        if req.include_usage:
+            yield event([], usage=_usage(job, completion_tokens))
+        yield "data: [DONE]\n\n"
+    finally:
+        with anyio.CancelScope(shield=True):
+            await job.close()

@@ -1,0 +1,79 @@
+"""What every endpoint of one app shares: the engine it serves, its metrics, and how engine errors
+and bodies become HTTP answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+
+from aiollama import Engine, Statistics
+from aiollama.errors import (
+    AiollamaError,
+    ClosedError,
+    ContextFull,
+    EngineDead,
+    InvalidRequestError,
+    Overloaded,
+)
+from aiollama.server.metrics import Metrics
+from aiollama.server.requests import BadRequest
+
+
+@dataclass
+class State:
+    """The app's engine (None outside its lifespan when the app owns it), its name and metrics."""
+
+    model_name: str
+    retry_after: int
+    engine: Engine | None = None
+    owns_engine: bool = False
+    metrics: Metrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.statistics)
+
+    def name(self) -> str:
+        """The model id clients see: as given, else the served file's name."""
+        path = self.engine.model_path if self.engine is not None else None
+        return self.model_name or (Path(path).stem if path is not None else "default")
+
+    async def close_engine(self) -> None:
+        """End what still runs (streams get an error event, requests a 503) by closing an engine
+        this app owns; an engine the caller owns is left alone."""
+        if self.owns_engine and self.engine is not None:
+            await self.engine.aclose()
+
+    def statistics(self) -> Statistics | None:
+        try:
+            return None if self.engine is None else self.engine.statistics()
+        except AiollamaError:
+            return None
+
+
+def serving_engine(state: State) -> Engine:
+    engine = state.engine
+    if engine is not None and engine.serving:
+        return engine
+    raise BadRequest("the engine is not serving", status=503, code="unavailable")
+
+
+async def read_json(request: HttpRequest) -> Any:
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+
+
+def translate(exc: AiollamaError) -> BadRequest:
+    if isinstance(exc, Overloaded):
+        return BadRequest(str(exc), status=503, code="overloaded")
+    if isinstance(exc, ContextFull):
+        return BadRequest(str(exc), code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return BadRequest(str(exc))
+    if isinstance(exc, (ClosedError, EngineDead)):
+        return BadRequest(str(exc), status=503, code="unavailable")
+    return BadRequest(str(exc), status=500, code="internal_error")
