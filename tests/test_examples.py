@@ -46,3 +46,11 @@ def test_guidance(tiny_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "guided: My favourite colour is" in out.stdout
     assert "the guidance conversation holds the guided tokens too: True" in out.stdout
+
+
+@pytest.mark.parametrize("backend", [[], ["trio"]], ids=["asyncio", "trio"])
+def test_quickstart_the_readme_example(tiny_path: Path, backend: list[str]) -> None:
+    out = run_example("quickstart.py", str(tiny_path), *backend)
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.splitlines()[-1].split()
+    assert last[0] in ("length", "eog", "stop") and int(last[-1]) > 0  # finish reason ... tokens generated
