@@ -66,9 +66,22 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"aiollama serve needs the server extra: pip install 'aiollama[server]' ({exc})", file=sys.stderr)
         return 2
+    from aiollama.server.guard import Limits, load_keys
+
+    try:
+        keys = load_keys(args.api_key, args.api_key_file)
+        limits = Limits(args.max_body_mib << 20, args.max_json_depth, args.max_streams_per_key)
+    except (OSError, ValueError) as exc:
+        print(f"aiollama serve: {exc}", file=sys.stderr)
+        return 2
     if args.replicas > 1:
+        if keys:
+            print("aiollama serve: --api-key is not supported with --replicas (Ray Serve's proxy takes the "
+                  "requests); put the replicas behind a gateway that checks keys", file=sys.stderr)
+            return 2
         return _serve_replicas(args)
-    app = create_app(args.model, model_name=args.model_name, n_ctx=serve_n_ctx(args), n_seq_max=args.n_seq_max,
+    app = create_app(args.model, model_name=args.model_name, api_keys=keys, limits=limits,
+                     public_metrics=args.public_metrics, n_ctx=serve_n_ctx(args), n_seq_max=args.n_seq_max,
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                      host_cache_bytes=args.host_cache_mib << 20, draft_tokens=args.draft_tokens,
                      draft_model=args.draft_model, deterministic=args.deterministic,
@@ -223,6 +236,15 @@ def parser() -> argparse.ArgumentParser:
                        help="one cache for every request: a request may hold any share of it and forks share "
                             "cells, but every step's attention passes over every used cell")
     serve.set_defaults(unified_cache=False)
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="a key every request but /health must carry (Authorization: Bearer KEY); repeat it for "
+                            "several; also $AIOLLAMA_API_KEY (comma-separated)")
+    serve.add_argument("--api-key-file", default=None, help="a file of keys, one a line")
+    serve.add_argument("--public-metrics", action="store_true", help="/metrics needs no key")
+    serve.add_argument("--max-body-mib", type=int, default=8, help="the largest request body, in MiB (413 past it)")
+    serve.add_argument("--max-json-depth", type=int, default=64, help="the deepest nesting of a request body")
+    serve.add_argument("--max-streams-per-key", type=int, default=0,
+                       help="requests in flight per key (all requests together without keys); 0: no limit (429 past it)")
     serve.add_argument("--deterministic", action="store_true",
                        help="each conversation's output independent of what runs beside it (CPU only)")
     serve.add_argument("--replicas", type=int, default=1,

@@ -51,8 +51,9 @@ class Server:
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
 
-    def post(self, path: str, body: bytes) -> tuple[int, Message, Any]:
-        request = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": "application/json"})
+    def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Message, Any]:
+        request = urllib.request.Request(self.url + path, data=body,
+                                         headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(request, timeout=30) as r:
                 return r.status, r.headers, json.loads(r.read())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import os
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -28,21 +28,30 @@ from aiollama.errors import (
 )
 from aiollama.models import default_model
 from aiollama.server.generate import chat_completions, completions
+from aiollama.server.guard import Guard, Limits, load_keys
 from aiollama.server.requests import (
     BadRequest,
     embeddings_request,
 )
-from aiollama.server.state import State, read_json, serving_engine, translate
+from aiollama.server.state import State, serving_engine, translate
+from aiollama.server.utility import apply_template, detokenize, tokenize
 
 
 def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | None = None,
-               model_name: str | None = None, retry_after: int = 1, **engine_options: Any) -> Starlette:
-    """The app. ``engine_options`` go to :class:`Engine` when the app owns its engine."""
+               model_name: str | None = None, retry_after: int = 1, api_keys: Iterable[str] = (),
+               limits: Limits | None = None, public_metrics: bool = False, **engine_options: Any) -> Starlette:
+    """The app. ``engine_options`` go to :class:`Engine` when the app owns its engine.
+
+    With ``api_keys`` (or keys in ``$AIOLLAMA_API_KEY``, comma-separated) every route but
+    ``/health`` (and ``/metrics`` when ``public_metrics``) needs one of them; ``limits`` bound the
+    body, its nesting and the requests in flight per key (:class:`~aiollama.server.guard.Limits`).
+    """
     if engine is not None and (model is not None or engine_options):
         raise ValueError("pass either an engine or the model and options to build one, not both")
     path = None if model is None else Path(model)
     name = model_name or (path.stem if path is not None else "")
-    state = State(model_name=name, retry_after=retry_after, engine=engine, owns_engine=engine is None)
+    guard = Guard(load_keys(api_keys), limits or Limits(), public_metrics)
+    state = State(model_name=name, retry_after=retry_after, engine=engine, owns_engine=engine is None, guard=guard)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -64,6 +73,9 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
         Route("/v1/completions", _endpoint(state, "completions", completions), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(state, "chat", chat_completions), methods=["POST"]),
         Route("/v1/embeddings", _endpoint(state, "embeddings", _embeddings), methods=["POST"]),
+        Route("/tokenize", _endpoint(state, "tokenize", tokenize), methods=["POST"]),
+        Route("/detokenize", _endpoint(state, "detokenize", detokenize), methods=["POST"]),
+        Route("/apply-template", _endpoint(state, "apply_template", apply_template), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.aiollama = state
@@ -76,6 +88,7 @@ Handler = Callable[[State, HttpRequest], Awaitable[Response]]
 def _endpoint(state: State, name: str, handler: Handler) -> Callable[[HttpRequest], Awaitable[Response]]:
     async def endpoint(request: HttpRequest) -> Response:
         try:
+            request.state.api_key = state.guard.identify(request, name)
             response = await handler(state, request)
         except BadRequest as exc:
             response = _error(exc, state)
@@ -106,7 +119,7 @@ async def _models(state: State, request: HttpRequest) -> Response:
 async def _embeddings(state: State, request: HttpRequest) -> Response:
     """``/v1/embeddings``: ``input`` is a string, a list of them, or token ids; ``encoding_format``
     "float" or "base64" (little-endian float32, as OpenAI's clients decode it)."""
-    texts, encoding = embeddings_request(await read_json(request))
+    texts, encoding = embeddings_request(await state.guard.read_json(request))
     engine = serving_engine(state)
     try:
         vectors = await engine.embed(texts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,15 +29,15 @@ from aiollama.server.requests import (
     completion_request,
 )
 from aiollama.server.shape import ChatChoice, TextChoice
-from aiollama.server.state import State, read_json, serving_engine, translate
+from aiollama.server.state import State, serving_engine, translate
 
 
 async def completions(state: State, request: HttpRequest) -> Response:
-    return await _serve(state, request, completion_request(await read_json(request)), chat=False)
+    return await _serve(state, request, completion_request(await state.guard.read_json(request)), chat=False)
 
 
 async def chat_completions(state: State, request: HttpRequest) -> Response:
-    return await _serve(state, request, chat_request(await read_json(request)), chat=True)
+    return await _serve(state, request, chat_request(await state.guard.read_json(request)), chat=True)
 
 
 @dataclass
@@ -53,8 +53,11 @@ class _Job:
     streams: list[Stream]
     started: float
     choices: list[ChatChoice | TextChoice]
+    release: Callable[[], None] = lambda: None  # gives back the request's place in its key's limit
 
     async def close(self) -> None:
+        release, self.release = self.release, lambda: None
+        release()
         for conv in self.convs:
             await conv.aclose()
 
@@ -160,7 +163,14 @@ async def _items(job: _Job, state: State) -> AsyncIterator[MemoryObjectReceiveSt
 
 
 async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -> Response:
-    job = _start(state, req, chat)
+    key: str = getattr(request.state, "api_key", "")
+    state.guard.admit(key)
+    try:
+        job = _start(state, req, chat)
+    except BaseException:
+        state.guard.release(key)
+        raise
+    job.release = lambda: state.guard.release(key)
     if req.stream:
         return StreamingResponse(_events(job, state, req), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -148,6 +148,27 @@ def _response_format(value: Any) -> dict[str, Any] | None:
 
 UNSUPPORTED = ("functions", "echo", "suffix")  # refused rather than ignored: the answer would differ
 
+# The fields each endpoint reads. Any other field is refused with a 400 naming it, never dropped.
+COMMON_FIELDS = frozenset({
+    "model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias", "response_format", "best_of",
+    "top_k", "min_p", "repeat_penalty", "grammar", "json_schema", "priority", "ignore_eos", "cache_prompt",
+    *UNSUPPORTED,
+    "user", "metadata",  # informational: they change nothing in the answer
+})
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
+MAX_TOOLS = 128
+
+
+def check_fields(body: dict[str, Any], known: frozenset[str]) -> None:
+    """A 400 naming the first field this endpoint does not read."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise BadRequest(f"'{unknown[0]}' is not a field this server reads", param=unknown[0],
+                         code="unsupported_parameter")
+
 
 def _common(body: Any, default_max_tokens: int | None) -> Request:
     if not isinstance(body, dict):
@@ -160,6 +181,9 @@ def _common(body: Any, default_max_tokens: int | None) -> Request:
         raise BadRequest("'best_of' is not supported by this server; use 'n'", param="best_of",
                          code="unsupported_parameter")
     n = _integer(body, "n", 1, MAX_N)
+    for flag in ("ignore_eos", "cache_prompt"):  # llama-server's; every prompt is cached here anyway
+        if not isinstance(body.get(flag, False), bool):
+            raise BadRequest(f"'{flag}' must be a boolean", param=flag)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
@@ -167,6 +191,8 @@ def _common(body: Any, default_max_tokens: int | None) -> Request:
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
     params = _sampling(body, default_max_tokens)
+    if body.get("ignore_eos"):
+        params["ignore_eos"] = True
     if default_max_tokens is None and "max_tokens" not in params:
         params["max_tokens"] = None  # until the model ends its turn or the context is full
     return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")), params=params)
@@ -174,6 +200,8 @@ def _common(body: Any, default_max_tokens: int | None) -> Request:
 
 def completion_request(body: Any) -> Request:
     """``/v1/completions``: ``prompt`` is a string or a list of token ids."""
+    if isinstance(body, dict):
+        check_fields(body, COMPLETION_FIELDS)
     request = _common(body, default_max_tokens=16)  # OpenAI's default for completions
     logprobs = _integer(body, "logprobs", 0, 20)  # the legacy API: how many alternatives
     if logprobs is not None:
@@ -193,7 +221,12 @@ def completion_request(body: Any) -> Request:
 
 def chat_request(body: Any) -> Request:
     """``/v1/chat/completions``: ``messages`` with string content, or text parts."""
+    if isinstance(body, dict):
+        check_fields(body, CHAT_FIELDS)
     request = _common(body, default_max_tokens=None)  # until the model ends its turn
+    if body.get("parallel_tool_calls", True) is not True:
+        raise BadRequest("'parallel_tool_calls' false is not supported: a reply may make several calls",
+                         param="parallel_tool_calls", code="unsupported_parameter")
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise BadRequest("'logprobs' must be a boolean", param="logprobs")
@@ -206,6 +239,8 @@ def chat_request(body: Any) -> Request:
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise BadRequest("'tools' must be a list of tool objects", param="tools")
+        if len(tools) > MAX_TOOLS:
+            raise BadRequest(f"at most {MAX_TOOLS} tools", param="tools")
         try:
             tool_names(tools)
         except InvalidRequestError as exc:
@@ -244,6 +279,7 @@ def embeddings_request(body: Any) -> tuple[Any, str]:
     """``/v1/embeddings``: the texts (or token id lists) and the encoding asked for."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    check_fields(body, EMBEDDING_FIELDS)
     value = body.get("input")
     if isinstance(value, str):
         value = [value]

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from starlette.requests import Request as HttpRequest
 
 from aiollama import Engine, Statistics
 from aiollama.errors import (
@@ -18,6 +15,7 @@ from aiollama.errors import (
     InvalidRequestError,
     Overloaded,
 )
+from aiollama.server.guard import Guard
 from aiollama.server.metrics import Metrics
 from aiollama.server.requests import BadRequest
 
@@ -30,6 +28,7 @@ class State:
     retry_after: int
     engine: Engine | None = None
     owns_engine: bool = False
+    guard: Guard = field(default_factory=Guard)
     metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -58,13 +57,6 @@ def serving_engine(state: State) -> Engine:
     if engine is not None and engine.serving:
         return engine
     raise BadRequest("the engine is not serving", status=503, code="unavailable")
-
-
-async def read_json(request: HttpRequest) -> Any:
-    try:
-        return await request.json()
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest("the request body is not valid JSON") from None
 
 
 def translate(exc: AiollamaError) -> BadRequest:

@@ -1,0 +1,77 @@
+"""llama-server's tools for debugging prompts: ``/tokenize``, ``/detokenize``, ``/apply-template``.
+
+The shapes are llama-server's, so the scripts written for it work here: a piece is a string when
+its bytes are whole UTF-8, else the list of its byte values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+
+from aiollama.errors import AiollamaError
+from aiollama.server.requests import BadRequest, chat_request, check_fields
+from aiollama.server.state import State, serving_engine, translate
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def _object(body: Any, known: frozenset[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    check_fields(body, known)
+    return body
+
+
+async def tokenize(state: State, request: HttpRequest) -> Response:
+    """``{"content", "add_special" (false), "parse_special" (true), "with_pieces" (false)}``."""
+    body = _object(await state.guard.read_json(request), frozenset({"content", "add_special", "parse_special", "with_pieces"}))
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise BadRequest("'content' must be a string", param="content")
+    add_special, special = _flag(body, "add_special", False), _flag(body, "parse_special", True)
+    engine = serving_engine(state)
+    tokens = engine.tokenize(content, add_special=add_special, special=special)
+    if not _flag(body, "with_pieces", False):
+        return JSONResponse({"tokens": tokens})
+    pieces = []
+    for token in tokens:
+        raw = engine.token_bytes(token)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": token, "piece": piece})
+    return JSONResponse({"tokens": pieces})
+
+
+async def detokenize(state: State, request: HttpRequest) -> Response:
+    """``{"tokens": [ids]}`` -> ``{"content": text}``."""
+    body = _object(await state.guard.read_json(request), frozenset({"tokens"}))
+    tokens = body.get("tokens")
+    engine = serving_engine(state)
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.n_vocab for t in tokens):
+        raise BadRequest(f"'tokens' must be a list of token ids in [0, {engine.n_vocab})", param="tokens")
+    return JSONResponse({"content": engine.detokenize(tokens)})
+
+
+async def apply_template(state: State, request: HttpRequest) -> Response:
+    """``{"messages", "tools"}`` -> ``{"prompt": text}``: what a chat request would evaluate."""
+    body = await state.guard.read_json(request)
+    _object(body, frozenset({"messages", "tools", "tool_choice"}))
+    req = chat_request(body)
+    engine = serving_engine(state)
+    assert req.messages is not None
+    try:
+        prompt = engine.render_chat(req.messages, tools=req.tools if req.tool_choice != "none" else None)
+    except AiollamaError as exc:
+        raise translate(exc) from None
+    return JSONResponse({"prompt": prompt})
