@@ -14,6 +14,7 @@ from aiollama.formats.toolcalls import (
     might_be_call,
     parse,
     tool_names,
+    tool_schemas,
 )
 
 NAMES = {"get_weather", "get_time"}
@@ -45,6 +46,18 @@ def calls_of(text: str) -> tuple[str, list[tuple[str, object]]]:
     ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Lima\\"}"}', "", [("get_weather", {"city": "Lima"})]),
     ('```json\n{"name": "get_time", "arguments": {}}\n```', "", [("get_time", {})]),
     ('[{"name": "get_time", "arguments": {}}]', "", [("get_time", {})]),
+    # Qwen3-Coder, Qwen3.5/3.6: XML, values read as JSON where they parse
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n"
+     "</parameter>\n</function>\n</tool_call>", "", [("get_weather", {"city": "Oslo", "days": 3})]),
+    ("Checking.\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+     "<parameter=city>\nNew\nYork\n</parameter>\n</function>\n</tool_call>",
+     "Checking.", [("get_time", {}), ("get_weather", {"city": "New\nYork"})]),
+    ("<function=get_weather>\n<parameter=city>\nLima\n</parameter>\n</function>", "", [("get_weather", {"city": "Lima"})]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nLima", "", [("get_weather", {"city": "Lima"})]),  # cut off
+    # GLM-4.5 and later
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n"
+     "<arg_value>2</arg_value>\n</tool_call>", "", [("get_weather", {"city": "Oslo", "days": 2})]),
+    ("<tool_call>get_time</tool_call>", "", [("get_time", {})]),
 ])
 def test_calls_in_every_format(text: str, content: str, calls: list[tuple[str, object]]) -> None:
     assert calls_of(text) == (content, calls)
@@ -57,6 +70,8 @@ def test_calls_in_every_format(text: str, content: str, calls: list[tuple[str, o
     '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # broken JSON
     '{"name": "get_weather", "arguments": "not json"}',
     '[{"name": "get_time", "arguments": {}}, {"name": "unknown", "arguments": {}}]',  # not all calls
+    "<tool_call>\n<function=launch_rockets>\n</function>\n</tool_call>",  # XML, not a tool offered
+    "<tool_call>\n<function=get_time>\n</function>\n</tool_call><tool_call>{broken</tool_call>",
 ])
 def test_text_that_is_not_a_call_stays_content(text: str) -> None:
     assert parse(text, NAMES) == (text, [])
@@ -101,3 +116,14 @@ def test_malformed_tools(tools: list[object]) -> None:
 def test_describe_lists_every_function() -> None:
     text = describe(TOOLS)
     assert all(json.dumps(t["function"]) in text for t in TOOLS)
+
+
+def test_xml_arguments_follow_the_tool_schema() -> None:
+    # a string parameter stays text even where it reads as JSON; others are read as JSON
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
+        "zip": {"type": "string"}, "count": {"type": "integer"}, "exact": {"type": "boolean"}}}}}]
+    text = ("<tool_call>\n<function=lookup>\n<parameter=zip>\n01234\n</parameter>\n<parameter=count>\n5\n"
+            "</parameter>\n<parameter=exact>\ntrue\n</parameter>\n</function>\n</tool_call>")
+    [call] = parse(text, tool_schemas(tools))[1]
+    assert json.loads(call.arguments) == {"zip": "01234", "count": 5, "exact": True}
+    assert might_be_call("<function=lo") and might_be_call("<functi")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -47,7 +47,7 @@ from aiollama.errors import (
 )
 from aiollama.formats import savefile
 from aiollama.formats.chat import Messages
-from aiollama.formats.toolcalls import call_schema, tool_names
+from aiollama.formats.toolcalls import call_schema, tool_names, tool_schemas
 from aiollama.sampling import SamplingParams
 
 __all__ = ["Chunk", "Completion", "Conversation", "Stream"]
@@ -65,7 +65,7 @@ class _ConversationBase:
         self._chat = ChatTurns()
         self._closed = False
         self._last_stream: weakref.ref[StreamBase] | None = None
-        self._tool_names: list[str] = []  # the tools the current chat turn offered
+        self._tool_names: Collection[str] = []  # the tools the current chat turn offered
 
     def _check(self) -> None:
         self._client.check()
@@ -131,7 +131,7 @@ class _ConversationBase:
         start = len(self)
         tokens, new = self._chat.render(self._client, messages, first=start == 0, tools=tools)
         self._append(tokens)
-        self._tool_names = tool_names(tools) if tools else []
+        self._tool_names = tool_schemas(tools) if tools else []
         self._chat.appended(start, len(tokens), new)
         return len(tokens)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,7 +166,7 @@ class Collector:
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    tool_names: list[str] = field(default_factory=list)  # the tools offered: parse calls at the end
+    tool_names: Collection[str] = field(default_factory=list)  # the tools offered: parse calls at the end
     in_thinking: bool = False  # the prompt opened a thinking block
 
     def take(self, item: Item) -> Chunk | None:

@@ -3,6 +3,9 @@
 Models write tool calls in a few formats; :func:`parse` reads them into OpenAI-style calls:
 
 - Hermes and Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block a call;
+- Qwen3-Coder, Qwen3.5 and later: ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
+  </function></tool_call>``;
+- GLM-4.5 and later: ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>``;
 - Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
 - Llama 3: ``<|python_tag|>{"name": ..., "parameters": {...}}``, or that JSON alone;
 - plain JSON: an object with ``name`` and ``arguments`` (or ``parameters``), or a list of them,
@@ -23,9 +26,12 @@ from typing import Any
 
 from aiollama.errors import InvalidRequestError
 
-MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
+MARKERS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.S)
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,12 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
     return names
 
 
+def tool_schemas(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Each tool's name and its parameters schema, checked as :func:`tool_names` checks them: what
+    :func:`parse` takes to read XML-format arguments by their types."""
+    return {name: (tool["function"].get("parameters") or {}) for name, tool in zip(tool_names(tools), tools)}
+
+
 def _call(obj: Any, names: Collection[str]) -> ToolCall | None:
     if not isinstance(obj, Mapping) or obj.get("name") not in names:
         return None
@@ -84,18 +96,56 @@ def _json_calls(text: str, names: Collection[str]) -> list[ToolCall] | None:
     return [c for c in calls if c is not None]
 
 
+def _value(text: str, schema: Any) -> Any:
+    """An XML-format argument: kept as text where the tool's schema says string (or nothing can be
+    read), else read as JSON (numbers, booleans, objects, arrays)."""
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    if kind == "string":
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _xml_calls(body: str, names: Collection[str]) -> list[ToolCall] | None:
+    """Qwen3-Coder's ``<function=NAME><parameter=KEY>`` and GLM's ``NAME<arg_key>`` calls."""
+    schemas = names if isinstance(names, Mapping) else {}
+    pairs: list[tuple[str, list[tuple[str, str]]]] = []
+    functions = _FUNCTION.findall(body)
+    if functions:
+        pairs = [(name.strip(), [(k.strip(), v) for k, v in _PARAMETER.findall(inner)]) for name, inner in functions]
+    elif "<arg_key>" in body:
+        pairs = [(body[:body.index("<arg_key>")].strip(), [(k.strip(), v.strip()) for k, v in _ARG.findall(body)])]
+    elif body.strip() in names:  # GLM's call of a function without arguments
+        pairs = [(body.strip(), [])]
+    calls = []
+    for name, args in pairs:
+        if name not in names:
+            return None
+        properties = (schemas.get(name) or {}).get("properties") or {}
+        values = {key: _value(value, properties.get(key)) for key, value in args}
+        calls.append(ToolCall(name, json.dumps(values, ensure_ascii=False)))
+    return calls or None
+
+
 def parse(text: str, names: Collection[str]) -> tuple[str, list[ToolCall]]:
     """Split generated text into its plain content and the tool calls it makes (none: the content
-    is the whole text)."""
+    is the whole text). ``names`` may map each name to the tool's parameters schema, which says
+    which XML-format arguments stay text."""
     stripped = text.strip()
-    if "<tool_call>" in stripped:
+    if "<tool_call>" in stripped or stripped.startswith("<function="):
+        start = stripped.index("<tool_call>") if "<tool_call>" in stripped else 0
+        bodies = _HERMES.findall(stripped) if "<tool_call>" in stripped else [stripped]
         calls = []
-        for body in _HERMES.findall(stripped):
+        for body in bodies:
             found = _json_calls(body, names)
+            if found is None:
+                found = _xml_calls(body, names)
             if found is None:
                 return text, []
             calls += found
-        return stripped[:stripped.index("<tool_call>")].strip(), calls
+        return stripped[:start].strip(), calls
     for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
         if marker in stripped:
             before, _, after = stripped.partition(marker)

@@ -20,7 +20,7 @@ from aiollama import Chunk, Conversation, Stream
 from aiollama.errors import (
     AiollamaError,
 )
-from aiollama.formats.toolcalls import call_schema, tool_names
+from aiollama.formats.toolcalls import call_schema, tool_schemas
 from aiollama.sampling import seed_for
 from aiollama.server.requests import (
     BadRequest,
@@ -69,7 +69,7 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
     tools = req.tools if req.tool_choice != "none" else None
     try:
         if tools:
-            names = tool_names(tools)
+            names = tool_schemas(tools)
             schema = call_schema(tools, req.tool_choice)
             if schema is not None:
                 if "grammar" in req.params or "json_schema" in req.params:

@@ -3,7 +3,7 @@ log-probabilities, for chat and for the legacy completions API."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from aiollama import Chunk, FinishReason
@@ -45,7 +45,7 @@ class ChatChoice:
     when tools are offered, text that may be a tool call is held back until the end, where it
     becomes ``tool_calls`` (finish reason "tool_calls") or content after all."""
 
-    def __init__(self, index: int, tool_names: list[str], token_bytes: TokenBytes, *, in_thinking: bool = False) -> None:
+    def __init__(self, index: int, tool_names: Collection[str], token_bytes: TokenBytes, *, in_thinking: bool = False) -> None:
         self.index = index
         self.tool_names = tool_names
         self.in_thinking = in_thinking  # the prompt opened a thinking block
