@@ -27,6 +27,7 @@ from aiollama.errors import (
     AiollamaError,
 )
 from aiollama.models import default_model
+from aiollama.server import responses
 from aiollama.server.generate import chat_completions, completions
 from aiollama.server.guard import Guard, Limits, load_keys
 from aiollama.server.requests import (
@@ -56,7 +57,10 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if engine is not None:
-            yield
+            try:
+                yield
+            finally:
+                state.responses.close()  # the stored conversations go with the app
             return
         model_path = path if path is not None else await anyio.to_thread.run_sync(default_model)
         async with Engine(model_path, **engine_options) as owned:
@@ -64,6 +68,7 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
             try:
                 yield
             finally:
+                state.responses.close()
                 state.engine = None
 
     routes = [
@@ -73,6 +78,9 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
         Route("/v1/completions", _endpoint(state, "completions", completions), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(state, "chat", chat_completions), methods=["POST"]),
         Route("/v1/embeddings", _endpoint(state, "embeddings", _embeddings), methods=["POST"]),
+        Route("/v1/responses", _endpoint(state, "responses", responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _endpoint(state, "responses", responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{response_id}", _endpoint(state, "responses", responses.delete), methods=["DELETE"]),
         Route("/tokenize", _endpoint(state, "tokenize", tokenize), methods=["POST"]),
         Route("/detokenize", _endpoint(state, "detokenize", detokenize), methods=["POST"]),
         Route("/apply-template", _endpoint(state, "apply_template", apply_template), methods=["POST"]),

@@ -178,7 +178,7 @@ async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -
     error: AiollamaError | None = None
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+            tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
             async with _items(job, state) as items:
                 async for i, item in items:
                     if isinstance(item, AiollamaError):
@@ -208,7 +208,7 @@ def _usage(job: _Job, completion_tokens: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _cancel_on_disconnect(request: HttpRequest, scope: anyio.CancelScope) -> None:
+async def cancel_on_disconnect(request: HttpRequest, scope: anyio.CancelScope) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

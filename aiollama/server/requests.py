@@ -170,7 +170,7 @@ def check_fields(body: dict[str, Any], known: frozenset[str]) -> None:
                          code="unsupported_parameter")
 
 
-def _common(body: Any, default_max_tokens: int | None) -> Request:
+def common_request(body: Any, default_max_tokens: int | None) -> Request:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     for name in UNSUPPORTED:
@@ -202,7 +202,7 @@ def completion_request(body: Any) -> Request:
     """``/v1/completions``: ``prompt`` is a string or a list of token ids."""
     if isinstance(body, dict):
         check_fields(body, COMPLETION_FIELDS)
-    request = _common(body, default_max_tokens=16)  # OpenAI's default for completions
+    request = common_request(body, default_max_tokens=16)  # OpenAI's default for completions
     logprobs = _integer(body, "logprobs", 0, 20)  # the legacy API: how many alternatives
     if logprobs is not None:
         request.params.update(logprobs=True, top_logprobs=logprobs)
@@ -223,7 +223,7 @@ def chat_request(body: Any) -> Request:
     """``/v1/chat/completions``: ``messages`` with string content, or text parts."""
     if isinstance(body, dict):
         check_fields(body, CHAT_FIELDS)
-    request = _common(body, default_max_tokens=None)  # until the model ends its turn
+    request = common_request(body, default_max_tokens=None)  # until the model ends its turn
     if body.get("parallel_tool_calls", True) is not True:
         raise BadRequest("'parallel_tool_calls' false is not supported: a reply may make several calls",
                          param="parallel_tool_calls", code="unsupported_parameter")

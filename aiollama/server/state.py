@@ -18,6 +18,7 @@ from aiollama.errors import (
 from aiollama.server.guard import Guard
 from aiollama.server.metrics import Metrics
 from aiollama.server.requests import BadRequest
+from aiollama.server.store import ResponseStore
 
 
 @dataclass
@@ -29,6 +30,7 @@ class State:
     engine: Engine | None = None
     owns_engine: bool = False
     guard: Guard = field(default_factory=Guard)
+    responses: ResponseStore = field(default_factory=ResponseStore)
     metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,249 @@
+"""OpenAI's Responses API over live conversations.
+
+A stored response keeps the :class:`~aiollama.Conversation` it ended in. A request with
+``previous_response_id`` forks that conversation (its cells shared or copied, never evaluated
+again) and appends only the new input, so a long exchange costs each turn its own tokens. The
+store is bounded by a count, a time to live and a byte budget; the conversations it keeps are idle
+ones, whose cells the engine takes back (or parks in host memory) when running streams need them.
+An id that is gone answers 404, never a wrong continuation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from aiollama import Chunk, Conversation, FinishReason, Stream
+from aiollama.errors import AiollamaError
+from aiollama.formats.toolcalls import tool_schemas
+from aiollama.server.generate import cancel_on_disconnect
+from aiollama.server.requests import BadRequest
+from aiollama.server.responses_request import ResponsesRequest, responses_request
+from aiollama.server.shape import ChatChoice
+from aiollama.server.state import State, serving_engine, translate
+
+
+def _not_found(response_id: str, param: str | None = None) -> BadRequest:
+    return BadRequest(f"no stored response '{response_id}' (never stored, deleted or expired)", status=404,
+                      param=param, code="not_found")
+
+
+async def create(state: State, request: HttpRequest) -> Response:
+    req = responses_request(await state.guard.read_json(request))
+    key: str = getattr(request.state, "api_key", "")
+    state.guard.admit(key)
+    try:
+        turn = _start(state, req)
+    except BaseException:
+        state.guard.release(key)
+        raise
+    if req.stream:
+        return StreamingResponse(_events(state, turn, key), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    finished = False
+    try:
+        async with anyio.create_task_group() as tg:  # a client that goes away cancels its generation
+            tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
+            async for chunk in turn.stream:
+                turn.feed(chunk)
+            finished = True
+            tg.cancel_scope.cancel()
+        if not finished:
+            return Response(status_code=499)  # nobody reads it; nothing is stored
+        return JSONResponse(turn.finish(state))
+    except AiollamaError as exc:
+        raise translate(exc) from None
+    finally:
+        state.guard.release(key)
+        await turn.settle(state)
+
+
+async def retrieve(state: State, request: HttpRequest) -> Response:
+    response_id = request.path_params["response_id"]
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return JSONResponse(stored.response)
+
+
+async def delete(state: State, request: HttpRequest) -> Response:
+    response_id = request.path_params["response_id"]
+    if not state.responses.delete(response_id):
+        raise _not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+class Turn:
+    """One response being made: its conversation and stream, and how its output is shaped."""
+
+    def __init__(self, state: State, req: ResponsesRequest, conv: Conversation, stream: Stream,
+                 input_tokens: int) -> None:
+        self.req, self.conv, self.stream = req, conv, stream
+        self.id, self.message_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = state.name()
+        self.input_tokens = input_tokens
+        self.choice = ChatChoice(0, tool_schemas(req.tools) if req.tools else [],
+                                 serving_engine(state).token_bytes, in_thinking=stream.in_thinking)
+        self.response: dict[str, Any] | None = None
+        self.generated = 0
+
+    def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
+        self.generated += len(chunk.tokens)
+        return self.choice.feed(chunk)
+
+    def shell(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": output, "usage": usage, "error": None,
+                "incomplete_details": incomplete, **self.req.echo}
+
+    def output(self) -> list[dict[str, Any]]:
+        message = self.choice.message(self.stream.finish_reason)["message"]
+        items: list[dict[str, Any]] = []
+        if message.get("reasoning_content"):
+            items.append({"id": "rs_" + self.id[5:], "type": "reasoning", "summary": [],
+                          "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+        if message.get("content"):
+            items.append(self.message_item(message["content"], "completed"))
+        for call in message.get("tool_calls") or []:
+            items.append({"id": "fc_" + call["id"][5:], "type": "function_call", "status": "completed",
+                          "call_id": call["id"], "name": call["function"]["name"],
+                          "arguments": call["function"]["arguments"]})
+        return items
+
+    def message_item(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    def finish(self, state: State) -> dict[str, Any]:
+        stats = self.stream.stats
+        generated = self.generated
+        cached = min(stats.cached_tokens, self.input_tokens) if stats is not None else 0
+        usage = {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": cached},
+                 "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": self.input_tokens + generated}
+        status = "incomplete" if self.stream.finish_reason is FinishReason.LENGTH else "completed"
+        self.response = self.shell(status, self.output(), usage)
+        return self.response
+
+    async def settle(self, state: State) -> None:
+        """Keep the conversation with its response when asked to store it; else free it."""
+        if self.response is not None and self.req.store:
+            state.responses.put(self.response, self.conv)
+        else:
+            await self.conv.aclose()
+
+
+def _start(state: State, req: ResponsesRequest) -> Turn:
+    engine = serving_engine(state)
+    if req.previous_response_id is not None:
+        stored = state.responses.get(req.previous_response_id)
+        if stored is None:
+            raise _not_found(req.previous_response_id, "previous_response_id")
+        conv = stored.conv.fork()  # the stored one stays, for other continuations
+        messages = req.messages
+        if req.instructions:
+            messages = [{"role": "system", "content": req.instructions}, *messages]
+    else:
+        conv, messages = engine.conversation(), req.messages
+    try:
+        stream = conv.chat(messages, tools=req.tools, tool_choice=req.tool_choice, **req.params)
+    except BaseException as exc:
+        conv.close_nowait()
+        if isinstance(exc, AiollamaError):
+            raise translate(exc) from None
+        raise
+    return Turn(state, req, conv, stream, len(conv))
+
+
+async def _events(state: State, turn: Turn, key: str) -> AsyncIterator[str]:
+    """The Responses streaming events, in the official order: reasoning text and output text as
+    they come, function calls once the reply is known to be one (text that may start a call is
+    held back, so a call never leaks into the output text)."""
+    number = 0
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal number
+        number += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': number - 1, **fields})}\n\n"
+
+    opened: dict[str, int] = {}  # "reasoning" / "message" -> output index, in the order they opened
+    reasoning_id = "rs_" + turn.id[5:]
+
+    def close_reasoning(text: str) -> list[str]:
+        at = {"item_id": reasoning_id, "output_index": opened["reasoning"], "content_index": 0}
+        item = {"id": reasoning_id, "type": "reasoning", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
+        return [event("response.reasoning_text.done", **at, text=text),
+                event("response.output_item.done", output_index=opened["reasoning"], item=item)]
+
+    thought = streamed = ""
+    try:
+        yield event("response.created", response=turn.shell("in_progress", []))
+        yield event("response.in_progress", response=turn.shell("in_progress", []))
+        try:
+            async for chunk in turn.stream:
+                for delta in turn.feed(chunk):
+                    if piece := delta["delta"].get("reasoning_content"):
+                        if "reasoning" not in opened:
+                            opened["reasoning"] = len(opened)
+                            yield event("response.output_item.added", output_index=opened["reasoning"], item={
+                                "id": reasoning_id, "type": "reasoning", "summary": [], "content": []})
+                        thought += piece
+                        yield event("response.reasoning_text.delta", item_id=reasoning_id,
+                                    output_index=opened["reasoning"], content_index=0, delta=piece)
+                    if piece := delta["delta"].get("content"):
+                        if "message" not in opened:
+                            for line in close_reasoning(thought) if "reasoning" in opened else []:
+                                yield line
+                            opened["message"] = len(opened)
+                            yield event("response.output_item.added", output_index=opened["message"],
+                                        item=turn.message_item(None, "in_progress"))
+                            yield event("response.content_part.added", item_id=turn.message_id,
+                                        output_index=opened["message"], content_index=0,
+                                        part={"type": "output_text", "text": "", "annotations": []})
+                        streamed += piece
+                        yield event("response.output_text.delta", item_id=turn.message_id,
+                                    output_index=opened["message"], content_index=0, delta=piece, logprobs=[])
+        except AiollamaError as exc:
+            error = translate(exc)
+            yield event("error", code=error.code, message=error.message, param=error.param)
+            return
+        response = turn.finish(state)
+        output = response["output"]
+        if "reasoning" in opened and "message" not in opened:
+            for line in close_reasoning(next(i for i in output if i["type"] == "reasoning")["content"][0]["text"]):
+                yield line
+        rest = [item for item in output if item["type"] not in opened]
+        if "message" in opened:
+            done = next((i for i in output if i["type"] == "message"), None)
+            if done is None:  # what streamed as text turned out to hold only calls: it stays text
+                done = turn.message_item(streamed, "completed")
+                output.insert(opened["message"], done)
+            at = {"item_id": turn.message_id, "output_index": opened["message"], "content_index": 0}
+            yield event("response.output_text.done", **at, text=done["content"][0]["text"], logprobs=[])
+            yield event("response.content_part.done", **at, part=done["content"][0])
+            yield event("response.output_item.done", output_index=opened["message"], item=done)
+        for index, item in enumerate(rest, start=len(opened)):
+            added = {**item, "status": "in_progress", **({"arguments": ""} if item["type"] == "function_call" else {})}
+            yield event("response.output_item.added", output_index=index, item=added)
+            if item["type"] == "function_call":
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"])
+            yield event("response.output_item.done", output_index=index, item=item)
+        response["output"] = [i for i in output if i["type"] in opened] + rest  # the order they were sent in
+        yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
+                    response=response)
+    finally:
+        state.guard.release(key)
+        await turn.settle(state)

@@ -1,0 +1,134 @@
+"""OpenAI Responses API request bodies: validated into chat messages, tools and sampling, or a 400.
+
+Input items become chat messages: a string is one user message; ``message`` items keep their role
+(their ``input_text`` / ``output_text`` parts joined); ``function_call`` items become an assistant
+message's ``tool_calls``; ``function_call_output`` items become ``tool`` messages. Function tools
+come flat (``{"type": "function", "name", "parameters"}``) and are given to the engine in the chat
+shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiollama.server.requests import MAX_TOOLS, BadRequest, check_fields, common_request
+
+RESPONSE_FIELDS = frozenset({
+    "model", "input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
+    "temperature", "top_p", "tools", "tool_choice", "text", "parallel_tool_calls", "metadata", "user",
+    "seed", "top_k", "min_p", "repeat_penalty", "stop", "truncation", "include",
+})
+
+
+@dataclass
+class ResponsesRequest:
+    messages: list[dict[str, Any]]
+    params: dict[str, Any]
+    previous_response_id: str | None = None
+    instructions: str | None = None
+    store: bool = True
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None  # in the chat shape
+    tool_choice: Any = "auto"
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
+
+
+def responses_request(body: Any) -> ResponsesRequest:
+    """``/v1/responses``."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    check_fields(body, RESPONSE_FIELDS)
+    for name, allowed in (("truncation", ("disabled", None)), ("parallel_tool_calls", (True, None))):
+        if body.get(name) not in allowed:
+            raise BadRequest(f"'{name}' {body[name]!r} is not supported by this server", param=name,
+                             code="unsupported_parameter")
+    if body.get("include") not in (None, []):
+        raise BadRequest("'include' is not supported by this server", param="include", code="unsupported_parameter")
+    chat_body = {k: body[k] for k in ("temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty", "stop",
+                                      "stream") if k in body}
+    if "max_output_tokens" in body:
+        chat_body["max_tokens"] = body["max_output_tokens"]
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict) or not isinstance(text.get("format", {}), dict):
+            raise BadRequest("'text' must be an object with a 'format' object", param="text")
+        fmt = text.get("format") or {"type": "text"}
+        chat_body["response_format"] = ({"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
+                                        if fmt.get("type") == "json_schema" else {"type": fmt.get("type")})
+    common = common_request(chat_body, default_max_tokens=None)
+    store = body.get("store", True)
+    if not isinstance(store, bool):
+        raise BadRequest("'store' must be a boolean", param="store")
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise BadRequest("'previous_response_id' must be a string", param="previous_response_id")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadRequest("'instructions' must be a string", param="instructions")
+    messages = input_messages(body.get("input"))
+    if instructions and previous is None:
+        messages.insert(0, {"role": "system", "content": instructions})
+    tools = _tools(body.get("tools"))
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
+            "text": text or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
+            "store": store, "previous_response_id": previous, "parallel_tool_calls": True}
+    return ResponsesRequest(messages, common.params, previous, instructions, store, common.stream, tools, choice, echo)
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise BadRequest(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+
+
+def input_messages(value: Any) -> list[dict[str, Any]]:
+    """The chat messages of ``input``."""
+    if isinstance(value, str) and value:
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise BadRequest("'input' must be a non-empty string or list of items", param="input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and isinstance(item.get("role"), str):
+            out.append({"role": item["role"], "content": _text(item.get("content"), where)})
+        elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": output if isinstance(output, str) else _text(output, where)})
+        else:
+            raise BadRequest(f"{where} must be a message, function_call or function_call_output item", param=where)
+    return out
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise BadRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise BadRequest(f"tools[{i}]: only function tools ({{'type': 'function', 'name': ...}}) are "
+                             f"supported, not {kind!r}", param=f"tools[{i}]", code="unsupported_parameter")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
