@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -37,15 +38,18 @@ class SyncStream:
     def __init__(self, portal: BlockingPortal, stream: Stream) -> None:
         self._portal = portal
         self._stream = stream
+        self._ready: deque[Chunk] = deque()  # chunks fetched in the last hop, not yet read
 
     def __iter__(self) -> Iterator[Chunk]:
         return self
 
     def __next__(self) -> Chunk:
-        try:
-            return self._portal.call(self._stream.__anext__)
-        except StopAsyncIteration:
-            raise StopIteration from None
+        if not self._ready:
+            try:
+                self._ready.extend(self._portal.call(self._stream.next_chunks))
+            except StopAsyncIteration:
+                raise StopIteration from None
+        return self._ready.popleft()
 
     def result(self) -> Completion:
         """Read the stream to its end and return the completion (what awaiting a Stream gives)."""

@@ -261,6 +261,10 @@ class AsyncSink:
         if error is not None and not self._items:
             self.deliver(Delta(error=error))
 
+    def get_nowait(self) -> Item | None:
+        """An item already delivered, or None."""
+        return self._items.popleft() if self._items else None
+
     async def get(self) -> Item:
         if self._items:
             return self._items.popleft()

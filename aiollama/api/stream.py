@@ -281,6 +281,16 @@ class Stream(StreamBase):
                 return chunk
         raise StopAsyncIteration
 
+    async def next_chunks(self) -> list[Chunk]:
+        """The next chunk and those already delivered behind it: one hop each time for a reader on
+        another thread (``SyncStream``). Raises StopAsyncIteration at the end."""
+        chunks = [await self.__anext__()]
+        while not self._result.done and (item := self._sink.get_nowait()) is not None:
+            chunk = self._take(item)
+            if chunk is not None:
+                chunks.append(chunk)
+        return chunks
+
     async def _collect(self) -> Completion:
         async for _ in self:
             pass
