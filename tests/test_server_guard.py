@@ -201,3 +201,17 @@ async def test_tokenize_detokenize_and_apply_template(guarded: Server) -> None:
     status, answer = post(guarded, "/apply-template", {"messages": [{"role": "user", "content": "Hi there"}]})
     assert status == 200 and "Hi there" in answer["prompt"] and answer["prompt"].rstrip().endswith("assistant")
     assert post(guarded, "/tokenize", {"content": "Hi"}, key=None)[0] == 401
+
+
+async def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(guarded: Server) -> None:
+    # 900 kB of text cannot fit 1,024 tokens of a request's share whatever the tokenizer makes of it
+    huge = "word " * 180_000
+    for path, body in (("/v1/completions", {"prompt": huge, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+                       ("/v1/responses", {"input": huge})):
+        status, answer = post(guarded, path, body)
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded", path
+        assert "900000 bytes" in answer["error"]["message"]  # the size check, not the tokenizer's count
+    status, answer = post(guarded, "/tokenize", {"content": huge})  # no context here: tokenized, off the loop
+    assert status == 200 and len(answer["tokens"]) == 180_001
+    assert post(guarded, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})[0] == 200

@@ -29,7 +29,7 @@ from aiollama.server.requests import (
     completion_request,
 )
 from aiollama.server.shape import ChatChoice, TextChoice
-from aiollama.server.state import State, serving_engine, translate
+from aiollama.server.state import State, check_prompt_size, serving_engine, translate
 
 
 async def completions(state: State, request: HttpRequest) -> Response:
@@ -64,6 +64,8 @@ class _Job:
 
 def _start(state: State, req: Request, chat: bool) -> _Job:
     engine = serving_engine(state)
+    texts = [req.prompt] if isinstance(req.prompt, str) else [str(m.get("content") or "") for m in req.messages or ()]
+    check_prompt_size(state, engine, texts, engine.n_ctx)
     root = engine.conversation()
     convs = [root]
     tools = req.tools if req.tool_choice != "none" else None

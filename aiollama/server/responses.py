@@ -27,7 +27,7 @@ from aiollama.server.generate import cancel_on_disconnect
 from aiollama.server.requests import BadRequest
 from aiollama.server.responses_request import ResponsesRequest, responses_request
 from aiollama.server.shape import ChatChoice
-from aiollama.server.state import State, serving_engine, translate
+from aiollama.server.state import State, check_prompt_size, serving_engine, translate
 
 
 def _not_found(response_id: str, param: str | None = None) -> BadRequest:
@@ -144,6 +144,7 @@ class Turn:
 
 def _start(state: State, req: ResponsesRequest) -> Turn:
     engine = serving_engine(state)
+    check_prompt_size(state, engine, [str(m.get("content") or "") for m in req.messages], engine.n_ctx)
     if req.previous_response_id is not None:
         stored = state.responses.get(req.previous_response_id)
         if stored is None:

@@ -3,6 +3,7 @@ and bodies become HTTP answers."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class State:
     owns_engine: bool = False
     guard: Guard = field(default_factory=Guard)
     responses: ResponseStore = field(default_factory=ResponseStore)
+    longest_piece: int = 0  # the most bytes one token stands for (0: not looked up yet)
     metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +54,19 @@ class State:
             return None if self.engine is None else self.engine.statistics()
         except AiollamaError:
             return None
+
+
+def check_prompt_size(state: State, engine: Engine, texts: Iterable[str], room: int) -> None:
+    """A 400 for prompt text that cannot fit ``room`` tokens, decided before tokenizing it: no
+    token stands for more bytes than the vocabulary's longest piece, so text of more bytes than
+    ``room`` such pieces cannot fit. Tokenizing runs on the event loop, so a huge prompt would
+    hold every other request up for seconds."""
+    if state.longest_piece == 0:
+        state.longest_piece = max(len(engine.token_bytes(t)) for t in range(engine.n_vocab)) or 1
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if size > room * state.longest_piece:
+        raise BadRequest(f"the prompt ({size} bytes) cannot fit the context of {room} tokens",
+                         code="context_length_exceeded")
 
 
 def serving_engine(state: State) -> Engine:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
@@ -38,7 +39,8 @@ async def tokenize(state: State, request: HttpRequest) -> Response:
         raise BadRequest("'content' must be a string", param="content")
     add_special, special = _flag(body, "add_special", False), _flag(body, "parse_special", True)
     engine = serving_engine(state)
-    tokens = engine.tokenize(content, add_special=add_special, special=special)
+    # a worker thread: a large text takes seconds, which the event loop's other requests would wait
+    tokens = await anyio.to_thread.run_sync(lambda: engine.tokenize(content, add_special=add_special, special=special))
     if not _flag(body, "with_pieces", False):
         return JSONResponse({"tokens": tokens})
     pieces = []
