@@ -1,4 +1,4 @@
-"""How the decode thread reaches consumers: one non-blocking hop into an event loop, or a queue.
+"""How the decode thread reaches consumers: one non-blocking hop into their event loop.
 
 The decode thread only calls ``Portal.send`` (through the outbox) and ``Portal.wake``; it never
 waits for a consumer. What it sends to an event loop waits in the portal until a wake, which the
@@ -14,8 +14,9 @@ whatever descriptor reused that number.
 
 Liveness: a reader waiting for an engine that has stopped without answering is answered all the
 same. Each portal looks at its waiting readers every ``LIVENESS_SECONDS`` (one timer per event loop,
-armed only while someone waits), and a plain thread's reader wakes as often; a reader whose engine
-has ended gets that engine's error instead of waiting forever.
+armed only while someone waits; a plain thread's reader waits through the blocking portal's loop,
+so the same holds); a reader whose engine has ended gets that engine's error instead of waiting
+forever.
 """
 
 from __future__ import annotations

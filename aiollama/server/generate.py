@@ -56,8 +56,7 @@ class _Job:
     release: Callable[[], None] = lambda: None  # gives back the request's place in its key's limit
 
     async def close(self) -> None:
-        release, self.release = self.release, lambda: None
-        release()
+        self.release()
         for conv in self.convs:
             await conv.aclose()
 
@@ -166,13 +165,13 @@ async def _items(job: _Job, state: State) -> AsyncIterator[MemoryObjectReceiveSt
 
 async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -> Response:
     key: str = getattr(request.state, "api_key", "")
-    state.guard.admit(key)
+    release = state.guard.hold(key)
     try:
         job = _start(state, req, chat)
     except BaseException:
-        state.guard.release(key)
+        release()
         raise
-    job.release = lambda: state.guard.release(key)
+    job.release = release
     if req.stream:
         return StreamingResponse(_events(job, state, req), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,20 +78,27 @@ class Guard:
                              code="invalid_api_key")
         return found
 
-    def admit(self, key: str) -> None:
-        """Count one more generation of ``key``; 429 past ``max_streams_per_key``."""
+    def hold(self, key: str) -> Callable[[], None]:
+        """Count one more generation of ``key`` (429 past ``max_streams_per_key``); the function
+        returned gives its place back, once however often it is called."""
         n = self.in_flight.get(key, 0)
         if self.limits.max_streams_per_key and n >= self.limits.max_streams_per_key:
             raise BadRequest(f"this key already has {n} requests in flight (the limit)", status=429,
                              code="too_many_requests")
         self.in_flight[key] = n + 1
+        released = False
 
-    def release(self, key: str) -> None:
-        n = self.in_flight.get(key, 0) - 1
-        if n > 0:
-            self.in_flight[key] = n
-        else:
-            self.in_flight.pop(key, None)
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            left = self.in_flight[key] - 1
+            if left:
+                self.in_flight[key] = left
+            else:
+                del self.in_flight[key]
+        return release
 
     async def read_json(self, request: HttpRequest) -> Any:
         """The body as JSON, read no further than ``max_body_bytes`` (413 past it) and no deeper

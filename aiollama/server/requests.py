@@ -162,17 +162,19 @@ EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions",
 MAX_TOOLS = 128
 
 
-def check_fields(body: dict[str, Any], known: frozenset[str]) -> None:
-    """A 400 naming the first field this endpoint does not read."""
+def json_object(body: Any, known: frozenset[str]) -> dict[str, Any]:
+    """``body`` as an endpoint's object: a 400 unless it is a JSON object, and one naming the first
+    field the endpoint does not read."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - known)
     if unknown:
         raise BadRequest(f"'{unknown[0]}' is not a field this server reads", param=unknown[0],
                          code="unsupported_parameter")
+    return body
 
 
-def common_request(body: Any, default_max_tokens: int | None) -> Request:
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Request:
     for name in UNSUPPORTED:
         value = body.get(name)
         if value not in (None, False, [], {}):
@@ -200,8 +202,7 @@ def common_request(body: Any, default_max_tokens: int | None) -> Request:
 
 def completion_request(body: Any) -> Request:
     """``/v1/completions``: ``prompt`` is a string or a list of token ids."""
-    if isinstance(body, dict):
-        check_fields(body, COMPLETION_FIELDS)
+    body = json_object(body, COMPLETION_FIELDS)
     request = common_request(body, default_max_tokens=16)  # OpenAI's default for completions
     logprobs = _integer(body, "logprobs", 0, 20)  # the legacy API: how many alternatives
     if logprobs is not None:
@@ -221,8 +222,7 @@ def completion_request(body: Any) -> Request:
 
 def chat_request(body: Any) -> Request:
     """``/v1/chat/completions``: ``messages`` with string content, or text parts."""
-    if isinstance(body, dict):
-        check_fields(body, CHAT_FIELDS)
+    body = json_object(body, CHAT_FIELDS)
     request = common_request(body, default_max_tokens=None)  # until the model ends its turn
     if body.get("parallel_tool_calls", True) is not True:
         raise BadRequest("'parallel_tool_calls' false is not supported: a reply may make several calls",
@@ -277,9 +277,7 @@ def chat_request(body: Any) -> Request:
 
 def embeddings_request(body: Any) -> tuple[Any, str]:
     """``/v1/embeddings``: the texts (or token id lists) and the encoding asked for."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    check_fields(body, EMBEDDING_FIELDS)
+    body = json_object(body, EMBEDDING_FIELDS)
     value = body.get("input")
     if isinstance(value, str):
         value = [value]

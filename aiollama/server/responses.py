@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -38,14 +38,14 @@ def _not_found(response_id: str, param: str | None = None) -> BadRequest:
 async def create(state: State, request: HttpRequest) -> Response:
     req = responses_request(await state.guard.read_json(request))
     key: str = getattr(request.state, "api_key", "")
-    state.guard.admit(key)
+    release = state.guard.hold(key)
     try:
         turn = _start(state, req)
     except BaseException:
-        state.guard.release(key)
+        release()
         raise
     if req.stream:
-        return StreamingResponse(_events(state, turn, key), media_type="text/event-stream",
+        return StreamingResponse(_events(state, turn, release), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     finished = False
     try:
@@ -57,11 +57,11 @@ async def create(state: State, request: HttpRequest) -> Response:
             tg.cancel_scope.cancel()
         if not finished:
             return Response(status_code=499)  # nobody reads it; nothing is stored
-        return JSONResponse(turn.finish(state))
+        return JSONResponse(turn.finish())
     except AiollamaError as exc:
         raise translate(exc) from None
     finally:
-        state.guard.release(key)
+        release()
         await turn.settle(state)
 
 
@@ -123,7 +123,7 @@ class Turn:
         content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
         return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
-    def finish(self, state: State) -> dict[str, Any]:
+    def finish(self) -> dict[str, Any]:
         stats = self.stream.stats
         generated = self.generated
         cached = min(stats.cached_tokens, self.input_tokens) if stats is not None else 0
@@ -144,17 +144,17 @@ class Turn:
 
 def _start(state: State, req: ResponsesRequest) -> Turn:
     engine = serving_engine(state)
-    check_prompt_size(state, engine, [str(m.get("content") or "") for m in req.messages], engine.n_ctx)
+    messages = req.messages
+    if req.instructions:  # this turn's instructions (a continuation does not inherit earlier ones)
+        messages = [{"role": "system", "content": req.instructions}, *messages]
+    check_prompt_size(state, engine, [str(m.get("content") or "") for m in messages], engine.n_ctx)
     if req.previous_response_id is not None:
         stored = state.responses.get(req.previous_response_id)
         if stored is None:
             raise _not_found(req.previous_response_id, "previous_response_id")
         conv = stored.conv.fork()  # the stored one stays, for other continuations
-        messages = req.messages
-        if req.instructions:
-            messages = [{"role": "system", "content": req.instructions}, *messages]
     else:
-        conv, messages = engine.conversation(), req.messages
+        conv = engine.conversation()
     try:
         stream = conv.chat(messages, tools=req.tools, tool_choice=req.tool_choice, **req.params)
     except BaseException as exc:
@@ -165,7 +165,7 @@ def _start(state: State, req: ResponsesRequest) -> Turn:
     return Turn(state, req, conv, stream, len(conv))
 
 
-async def _events(state: State, turn: Turn, key: str) -> AsyncIterator[str]:
+async def _events(state: State, turn: Turn, release: Callable[[], None]) -> AsyncIterator[str]:
     """The Responses streaming events, in the official order: reasoning text and output text as
     they come, function calls once the reply is known to be one (text that may start a call is
     held back, so a call never leaks into the output text)."""
@@ -218,7 +218,7 @@ async def _events(state: State, turn: Turn, key: str) -> AsyncIterator[str]:
             error = translate(exc)
             yield event("error", code=error.code, message=error.message, param=error.param)
             return
-        response = turn.finish(state)
+        response = turn.finish()
         output = response["output"]
         if "reasoning" in opened and "message" not in opened:
             for line in close_reasoning(next(i for i in output if i["type"] == "reasoning")["content"][0]["text"]):
@@ -246,5 +246,5 @@ async def _events(state: State, turn: Turn, key: str) -> AsyncIterator[str]:
         yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
                     response=response)
     finally:
-        state.guard.release(key)
+        release()
         await turn.settle(state)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiollama.server.requests import MAX_TOOLS, BadRequest, check_fields, common_request
+from aiollama.server.requests import MAX_TOOLS, BadRequest, common_request, json_object
 
 RESPONSE_FIELDS = frozenset({
     "model", "input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
@@ -36,9 +36,7 @@ class ResponsesRequest:
 
 def responses_request(body: Any) -> ResponsesRequest:
     """``/v1/responses``."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    check_fields(body, RESPONSE_FIELDS)
+    body = json_object(body, RESPONSE_FIELDS)
     for name, allowed in (("truncation", ("disabled", None)), ("parallel_tool_calls", (True, None))):
         if body.get(name) not in allowed:
             raise BadRequest(f"'{name}' {body[name]!r} is not supported by this server", param=name,
@@ -67,8 +65,6 @@ def responses_request(body: Any) -> ResponsesRequest:
     if instructions is not None and not isinstance(instructions, str):
         raise BadRequest("'instructions' must be a string", param="instructions")
     messages = input_messages(body.get("input"))
-    if instructions and previous is None:
-        messages.insert(0, {"role": "system", "content": instructions})
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice", "auto")
     if isinstance(choice, dict) and choice.get("type") == "function":

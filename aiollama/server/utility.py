@@ -13,7 +13,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from aiollama.errors import AiollamaError
-from aiollama.server.requests import BadRequest, chat_request, check_fields
+from aiollama.server.requests import BadRequest, chat_request, json_object
 from aiollama.server.state import State, serving_engine, translate
 
 
@@ -24,16 +24,10 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _object(body: Any, known: frozenset[str]) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    check_fields(body, known)
-    return body
-
 
 async def tokenize(state: State, request: HttpRequest) -> Response:
     """``{"content", "add_special" (false), "parse_special" (true), "with_pieces" (false)}``."""
-    body = _object(await state.guard.read_json(request), frozenset({"content", "add_special", "parse_special", "with_pieces"}))
+    body = json_object(await state.guard.read_json(request), frozenset({"content", "add_special", "parse_special", "with_pieces"}))
     content = body.get("content")
     if not isinstance(content, str):
         raise BadRequest("'content' must be a string", param="content")
@@ -56,7 +50,7 @@ async def tokenize(state: State, request: HttpRequest) -> Response:
 
 async def detokenize(state: State, request: HttpRequest) -> Response:
     """``{"tokens": [ids]}`` -> ``{"content": text}``."""
-    body = _object(await state.guard.read_json(request), frozenset({"tokens"}))
+    body = json_object(await state.guard.read_json(request), frozenset({"tokens"}))
     tokens = body.get("tokens")
     engine = serving_engine(state)
     if not isinstance(tokens, list) or not all(
@@ -68,7 +62,7 @@ async def detokenize(state: State, request: HttpRequest) -> Response:
 async def apply_template(state: State, request: HttpRequest) -> Response:
     """``{"messages", "tools"}`` -> ``{"prompt": text}``: what a chat request would evaluate."""
     body = await state.guard.read_json(request)
-    _object(body, frozenset({"messages", "tools", "tool_choice"}))
+    json_object(body, frozenset({"messages", "tools", "tool_choice"}))
     req = chat_request(body)
     engine = serving_engine(state)
     assert req.messages is not None
