@@ -142,7 +142,7 @@ async def arrivals(url: str, n_vocab: int, windows: int, window: float, banned: 
     counter = itertools.count()
     start = time.perf_counter()
     end = start + windows * window
-    per_window = [0] * windows
+    per_window = [0.0] * windows
 
     async def client_loop(client: httpx.AsyncClient, i: int) -> None:
         while time.perf_counter() < end:
@@ -150,18 +150,30 @@ async def arrivals(url: str, n_vocab: int, windows: int, window: float, banned: 
             body = {"model": "m", "prompt": prompts(1, PROMPT, n_vocab, seed=50_000 + k)[0],
                     "max_tokens": ARRIVAL_TOKENS, "temperature": 0.7, "seed": k,
                     "logit_bias": {str(t): -100 for t in banned}}
+            sent = time.perf_counter()
             r = await client.post(url + "/v1/completions", json=body, timeout=None)
             r.raise_for_status()
-            done = time.perf_counter()
-            slot = int((done - start) / window)
-            if slot < windows:
-                per_window[slot] += r.json()["usage"]["completion_tokens"]
+            spread(per_window, sent - start, time.perf_counter() - start, window,
+                   r.json()["usage"]["completion_tokens"])
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=CLIENTS + 2)) as client:
         async with anyio.create_task_group() as tg:
             for i in range(CLIENTS):
                 tg.start_soon(client_loop, client, i)
     return [t / window for t in per_window]
+
+
+def spread(per_window: list[float], sent: float, done: float, window: float, tokens: int) -> None:
+    """Share a request's tokens among the windows its time in flight overlaps, in proportion.
+
+    Counting each request whole in the window where it ends would move results in steps of a
+    whole wave of clients (about 9% of a window here), more than the differences measured.
+    """
+    span = max(done - sent, 1e-9)
+    for slot in range(len(per_window)):
+        overlap = min(done, (slot + 1) * window) - max(sent, slot * window)
+        if overlap > 0:
+            per_window[slot] += tokens * overlap / span
 
 
 def eog_tokens(model: Path) -> list[int]:

@@ -242,11 +242,17 @@ class AsyncSink:
         # own), or one anyio event on trio
         self._futures: list[asyncio.Future[None]] = []
         self._event: anyio.Event | None = None
+        self._ended = False  # the item that ends a stream (its last delta, or an error) has come
+        self._end_only = False  # a reader waits for that item alone
 
     def deliver(self, item: Item) -> None:
         if self._on_item is not None:
             self._on_item(item)
         self._items.append(item)
+        if isinstance(item, Delta) and (item.finish_reason is not None or item.error is not None):
+            self._ended = True
+        elif self._end_only:
+            return  # the reader sleeps on: one wake-up for a whole generation
         if self._futures:
             futures, self._futures = self._futures, []
             for future in futures:
@@ -259,7 +265,7 @@ class AsyncSink:
     def check(self) -> None:
         """On the loop, for a waiting reader: if the engine has ended, answer with its error."""
         error = self._failure() if self._failure is not None else None
-        if error is not None and not self._items:
+        if error is not None and not self._ended:
             self.deliver(Delta(error=error))
 
     def get_nowait(self) -> Item | None:
@@ -267,13 +273,27 @@ class AsyncSink:
         return self._items.popleft() if self._items else None
 
     async def get(self) -> Item:
-        if self._items:
-            return self._items.popleft()
+        if not self._items:
+            await self._wait(lambda: bool(self._items))
+        return self._items.popleft()
+
+    async def wait_end(self) -> None:
+        """Wait until the item that ends the stream has been delivered, woken once for it rather
+        than at every step as ``get`` is; the items stay to be taken."""
+        if self._ended:
+            return
+        self._end_only = True
+        try:
+            await self._wait(lambda: self._ended)
+        finally:
+            self._end_only = False
+
+    async def _wait(self, done: Callable[[], bool]) -> None:
         watched = self._failure is not None
         if watched:
             self._portal.waiting(self, True)
         try:
-            while not self._items:
+            while not done():
                 if self._asyncio:
                     future = asyncio.get_running_loop().create_future()
                     self._futures.append(future)
@@ -285,4 +305,3 @@ class AsyncSink:
         finally:
             if watched:
                 self._portal.waiting(self, False)
-        return self._items.popleft()

@@ -291,9 +291,24 @@ class Stream(StreamBase):
                 chunks.append(chunk)
         return chunks
 
+    async def rest(self) -> list[Chunk]:
+        """Wait for the generation to end, and return the chunks not read yet. Its reader wakes
+        once, where ``async for`` wakes it at every step."""
+        if not self._result.done:
+            try:
+                await self._sink.wait_end()
+            except BaseException:
+                self._abandon()
+                raise
+        chunks = []
+        while not self._result.done and (item := self._sink.get_nowait()) is not None:
+            chunk = self._take(item)
+            if chunk is not None:
+                chunks.append(chunk)
+        return chunks
+
     async def _collect(self) -> Completion:
-        async for _ in self:
-            pass
+        await self.rest()
         return self._result.completion()
 
     def __await__(self) -> Generator[Any, None, Completion]:

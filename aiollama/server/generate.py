@@ -175,29 +175,59 @@ async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -
     if req.stream:
         return StreamingResponse(_events(job, state, req), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    completion_tokens = 0
     error: AiollamaError | None = None
+    completion_tokens = 0
+    finished = False
+
+    async def whole(i: int, stream: Stream) -> None:
+        # woken once, at the end: a response nobody reads token by token costs no wake-up per step
+        nonlocal error, completion_tokens
+        try:
+            chunks = await stream.rest()
+        except AiollamaError as exc:
+            error = error or exc
+            return
+        for chunk in chunks:
+            job.choices[i].feed(chunk)
+        n_tokens = sum(len(chunk.tokens) for chunk in chunks)
+        completion_tokens += n_tokens
+        _observe_whole(state, job, stream, n_tokens)
+
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
-            async with _items(job, state) as items:
-                async for i, item in items:
-                    if isinstance(item, AiollamaError):
-                        error = item
-                        break
-                    if item is not None:
-                        job.choices[i].feed(item)
-                        completion_tokens += len(item.tokens)
+            async with anyio.create_task_group() as choices:
+                for i, stream in enumerate(job.streams):
+                    choices.start_soon(whole, i, stream)
+            finished = True
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             await job.close()
     if error is not None:
         raise translate(error)
+    if not finished:
+        return Response(status_code=499)  # the client went away; nobody reads this
     choices = [choice.message(job.streams[i].finish_reason) for i, choice in enumerate(job.choices)]
     return JSONResponse({"id": job.id, "object": "chat.completion" if chat else "text_completion",
                          "created": job.created, "model": job.model, "choices": choices,
                          "usage": _usage(job, completion_tokens)})
+
+
+def _observe_whole(state: State, job: _Job, stream: Stream, n_tokens: int) -> None:
+    """The latency histograms of a choice that was not streamed, from its stats: each gap
+    between its tokens is taken as their mean (their sum and count are exact)."""
+    stats = stream.stats
+    if stats is None:
+        return
+    metrics = state.metrics
+    if stream is job.streams[0]:
+        metrics.time_to_first_token.observe(stats.time_to_first_token)
+    gaps = n_tokens - 1
+    for _ in range(gaps):
+        metrics.inter_token_latency.observe(stats.decode_seconds / gaps)
+    metrics.queue_time.observe(stats.queue_seconds)
+    metrics.e2e_latency.observe(time.perf_counter() - job.started)
 
 
 def _usage(job: _Job, completion_tokens: int) -> dict[str, Any]:
