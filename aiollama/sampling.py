@@ -60,6 +60,11 @@ class SamplingParams:
     first, equal values first come first served; a waiting stream's priority improves with the
     time it waits, so none waits forever.
 
+    ``reasoning_budget`` bounds a thinking block (``<think>``...``</think>``, opened by the
+    template or by the model): after that many tokens in it, the engine writes
+    ``reasoning_budget_message`` and the closing marker itself, and the model answers after them.
+    0 closes the block at once; None leaves it to the model.
+
     Every field is checked on creation and a bad one raises ``InvalidRequestError`` (a
     ``ValueError``) naming it.
     """
@@ -89,6 +94,8 @@ class SamplingParams:
     top_logprobs: int = 0
     logits_processors: tuple[LogitsProcessor, ...] = ()
     priority: int = 0
+    reasoning_budget: int | None = None
+    reasoning_budget_message: str = ""
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -142,6 +149,10 @@ class SamplingParams:
                                       f"got {self.logits_processors!r}")
         object.__setattr__(self, "logits_processors", tuple(processors))
         integer("priority", self.priority, low=-PRIORITY_LIMIT, high=PRIORITY_LIMIT - 1)
+        if self.reasoning_budget is not None:
+            integer("reasoning_budget", self.reasoning_budget, low=0, high=2**31 - 1)
+        if not isinstance(self.reasoning_budget_message, str):
+            raise InvalidRequestError(f"reasoning_budget_message must be a str, got {self.reasoning_budget_message!r}")
 
     def _check_constraint(self) -> None:
         given = [name for name in ("grammar", "json_schema", "regex", "lark") if getattr(self, name) is not None]

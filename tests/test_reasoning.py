@@ -184,3 +184,69 @@ def test_a_malformed_tool_is_refused_by_render_chat(tiny_path: Path) -> None:
     with aiollama.SyncEngine(tiny_path, n_ctx=256) as engine:
         with pytest.raises(aiollama.InvalidRequestError, match="tools"):
             engine.render_chat("hi", tools=[{"type": "function"}])
+
+
+# the thinking budget
+
+
+@pytest.mark.anyio
+async def test_a_reasoning_budget_closes_the_block_after_its_tokens(opening_model: Path) -> None:
+    async with Engine(opening_model, n_ctx=512) as engine:
+        end = engine.tokenize(reasoning.END, add_special=False)[0]
+        closing = engine.tokenize("\n" + reasoning.END + "\n\n", add_special=False, special=True)
+        # the bias keeps the random model from ever closing the block itself
+        free = await engine.conversation().chat("Hi", max_tokens=24, temperature=0, logit_bias={end: -100})
+        assert end not in free.tokens and free.content == ""
+        result = await engine.conversation().chat("Hi", max_tokens=24, temperature=0, logit_bias={end: -100},
+                                                   reasoning_budget=5)
+        assert result.tokens[:5] == free.tokens[:5]  # the same thinking, up to the budget
+        assert result.tokens[5:5 + len(closing)] == closing
+        assert len(result.tokens) == 24 and result.content  # then the answer
+        told = await engine.conversation().chat("Hi", max_tokens=40, temperature=0, logit_bias={end: -100},
+                                                 reasoning_budget=2, reasoning_budget_message="Time is up.")
+        assert told.reasoning.endswith("Time is up.") and told.content
+        at_once = await engine.conversation().chat("Hi", max_tokens=8, temperature=0, reasoning_budget=0)
+        assert at_once.tokens[:len(closing)] == closing and at_once.reasoning == ""
+
+
+@pytest.mark.anyio
+async def test_a_reasoning_budget_counts_from_a_block_the_model_opens(plain_model: Path) -> None:
+    async with Engine(plain_model, n_ctx=512) as engine:
+        start, end = engine.tokenize(reasoning.START + reasoning.END, add_special=False)
+        closing = engine.tokenize("\n" + reasoning.END + "\n\n", add_special=False, special=True)
+        result = await engine.conversation().chat("Hi", max_tokens=20, temperature=0,
+                                                   logit_bias={start: 60, end: -100}, reasoning_budget=3)
+        assert result.tokens[0] == start and result.tokens[4:4 + len(closing)] == closing
+        # a reply that does not think is left alone
+        plain = {"max_tokens": 12, "temperature": 0, "logit_bias": {start: -100}}
+        free = await engine.conversation().chat("Hi", **plain)
+        budgeted = await engine.conversation().chat("Hi", reasoning_budget=0, **plain)
+        assert budgeted.tokens == free.tokens
+
+
+def test_a_bad_reasoning_budget_is_refused() -> None:
+    from aiollama.errors import InvalidRequestError
+    from aiollama.sampling import SamplingParams
+
+    with pytest.raises(InvalidRequestError, match="reasoning_budget"):
+        SamplingParams(reasoning_budget=-1)
+    with pytest.raises(InvalidRequestError, match="reasoning_budget_message"):
+        SamplingParams(reasoning_budget=1, reasoning_budget_message=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_chat_template_kwargs_reach_the_template_or_fail(opening_model: Path) -> None:
+    from aiollama.errors import ChatTemplateError
+
+    async with Engine(opening_model, n_ctx=512) as engine:
+        assert engine.chat_template_reads("enable_thinking") and not engine.chat_template_reads("reasoning_effort")
+        off = engine.render_chat("Hi", chat_template_kwargs={"enable_thinking": False})
+        assert off.endswith("<think>\n\n</think>\n\n") and off != engine.render_chat("Hi")
+        conv = engine.conversation()
+        stream = conv.chat("Hi", max_tokens=4, chat_template_kwargs={"enable_thinking": False})
+        assert not stream.in_thinking
+        await stream
+        conv.chat("And?", max_tokens=2, chat_template_kwargs={"enable_thinking": True})  # turn by turn
+        for bad in ({"reasoning_effort": "low"}, {"messages": []}):
+            with pytest.raises(ChatTemplateError):
+                engine.conversation().chat("Hi", chat_template_kwargs=bad)

@@ -305,7 +305,7 @@ def bert_model(cache: Path, tokenizer_source: Path) -> Path:
 
 # A Qwen-style template: tools in a system turn, calls in <tool_call> tags, tool results as
 # <tool_response> user turns, and a generation prompt that opens a thinking block (as reasoning
-# models' templates do).
+# models' templates do), or, with enable_thinking false, writes an empty one (as Qwen3's does).
 QWEN_STYLE_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
@@ -337,7 +337,11 @@ else c.function.arguments | tojson }}}
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% if open_thinking is not defined or open_thinking %}<think>
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% elif open_thinking is not defined or open_thinking %}<think>
 {% endif %}{% endif %}"""
 
 THINK_TOKENS = ("<think>", "</think>")
@@ -347,14 +351,14 @@ def reasoning_model(cache: Path, tokenizer_source: Path, *, opens_thinking: bool
     """The tiny model with SmolLM2's vocabulary plus ``<think>`` and ``</think>`` (user-defined
     tokens, as in Qwen3) and the Qwen-style template above, which opens a thinking block in its
     generation prompt (or, with ``opens_thinking=False``, leaves the model to open one)."""
-    path = cache / f"tiny-reasoning-v1-{'opens' if opens_thinking else 'plain'}.gguf"
+    path = cache / f"tiny-reasoning-v2-{'opens' if opens_thinking else 'plain'}.gguf"
     if not path.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         fields = {k: f.contents() for k, f in copy_tokenizer(tokenizer_source).items()}  # type: ignore[attr-defined]
         fields["tokenizer.ggml.tokens"] = list(fields["tokenizer.ggml.tokens"]) + list(THINK_TOKENS)  # type: ignore[call-overload]
         fields["tokenizer.ggml.token_type"] = list(fields["tokenizer.ggml.token_type"]) + [4, 4]  # type: ignore[call-overload]
         template = QWEN_STYLE_TEMPLATE if opens_thinking else QWEN_STYLE_TEMPLATE.replace(
-            "{% if open_thinking is not defined or open_thinking %}<think>\n{% endif %}", "")
+            "{% elif open_thinking is not defined or open_thinking %}<think>\n", "")
         fields["tokenizer.chat_template"] = template
         write_tiny_model(path, None, tokenizer=fields, seed=3)
     return path

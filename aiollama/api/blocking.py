@@ -76,6 +76,10 @@ class SyncStream:
         return self._stream.stats
 
     @property
+    def stop_sequence(self) -> str | None:
+        return self._stream.stop_sequence
+
+    @property
     def in_thinking(self) -> bool:
         return self._stream.in_thinking
 
@@ -123,8 +127,10 @@ class SyncConversation:
     def prompt(self, content: str | Sequence[int], *, special: bool = False) -> None:
         self._portal.call(functools.partial(self._conv.prompt, content, special=special))
 
-    def append_chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None) -> int:
-        return self._portal.call(functools.partial(self._conv.append_chat, messages, tools=tools))
+    def append_chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> int:
+        return self._portal.call(functools.partial(self._conv.append_chat, messages, tools=tools,
+                                                   chat_template_kwargs=chat_template_kwargs))
 
     def fork(self) -> SyncConversation:
         return SyncConversation(self._portal, self._portal.call(self._conv.fork))
@@ -139,9 +145,10 @@ class SyncConversation:
         return SyncStream(self._portal, self._start(functools.partial(self._conv.stream, **params)))
 
     def chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = "auto",
-             **params: Any) -> SyncStream:
+             chat_template_kwargs: dict[str, Any] | None = None, **params: Any) -> SyncStream:
         """Append a chat turn and stream the reply; see ``Conversation.chat``."""
-        call = functools.partial(self._conv.chat, messages, tools=tools, tool_choice=tool_choice, **params)
+        call = functools.partial(self._conv.chat, messages, tools=tools, tool_choice=tool_choice,
+                                 chat_template_kwargs=chat_template_kwargs, **params)
         return SyncStream(self._portal, self._start(call))
 
     def _start(self, start: Callable[[], Stream]) -> Stream:

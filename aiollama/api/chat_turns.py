@@ -11,7 +11,7 @@ stream generate it again, cutting to where a turn began removes that turn.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,9 +53,10 @@ class ChatTurns:
         return out
 
     def render(self, core: EngineClient, messages: Messages, *, first: bool,
-               tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[dict[str, Any]]]:
-        """The tokens of a new turn holding ``messages`` (offering ``tools``), and the messages
-        normalized. A template without a place for tools gets them described in a system message,
+               tools: list[dict[str, Any]] | None = None,
+               kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[dict[str, Any]]]:
+        """The tokens of a new turn holding ``messages`` (offering ``tools``, the template given
+        ``kwargs``), and the messages normalized. A template without a place for tools gets them described in a system message,
         and earlier tool calls written as JSON, as llama-server does."""
         if self.broken:
             raise ChatTemplateError("the conversation was rewound into the middle of a chat turn; rewind "
@@ -70,13 +71,13 @@ class ChatTurns:
             tools = None
         protected, contents = protect(new)
         if self.given is None:
-            rendered = template.render(protected, True, tools)
+            rendered = template.render(protected, True, tools, kwargs)
         else:
             history = self.messages
             if self.reply is None:
                 history.append({"role": "assistant", "content": ""})
             previous = history[:-1] + [{"role": "assistant", "content": REPLY}]
-            full = template.render(previous + protected, True, tools)
+            full = template.render(previous + protected, True, tools, kwargs)
             at = full.rfind(REPLY)
             if at < 0:
                 raise ChatTemplateError("the chat template drops the previous assistant reply, so a turn "

@@ -121,22 +121,24 @@ class _ConversationBase:
         """The chat so far: every message given to ``chat()`` and the replies streamed back."""
         return self._chat.messages
 
-    def append_chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None) -> int:
+    def append_chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> int:
         """Append ``messages`` as the next chat turn, with the assistant's generation prompt, without
         generating (``chat()`` does both; a ``stream()`` afterwards is the turn's reply). ``tools``
-        (OpenAI-style function tools) reach the template. Returns the number of tokens appended.
-        Never blocks."""
+        (OpenAI-style function tools) and ``chat_template_kwargs`` (``enable_thinking``, say: only
+        variables the template reads) reach the template. Returns the number of tokens appended."""
         self._check()
         self._check_idle()
         start = len(self)
-        tokens, new = self._chat.render(self._client, messages, first=start == 0, tools=tools)
+        tokens, new = self._chat.render(self._client, messages, first=start == 0, tools=tools,
+                                        kwargs=chat_template_kwargs)
         self._append(tokens)
         self._tool_names = tool_schemas(tools) if tools else []
         self._chat.appended(start, len(tokens), new)
         return len(tokens)
 
     def _chat_turn(self, messages: Messages, params: dict[str, Any], tools: list[dict[str, Any]] | None,
-                   tool_choice: Any) -> dict[str, Any]:
+                   tool_choice: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:
         """Append a turn; the stream's parameters, with the constraint ``tool_choice`` asks for."""
         self._check()
         if tools:
@@ -151,7 +153,7 @@ class _ConversationBase:
                 tools = None
         # a bad parameter must not leave half a turn behind
         SamplingParams.from_kwargs(**{k: v for k, v in params.items() if k not in GUIDANCE})
-        self.append_chat(messages, tools=tools)
+        self.append_chat(messages, tools=tools, chat_template_kwargs=kwargs)
         return params
 
     def _check_idle(self) -> None:
@@ -344,7 +346,7 @@ class Conversation(_ConversationBase):
         return stream
 
     def chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = "auto",
-             **params: Any) -> Stream:
+             chat_template_kwargs: dict[str, Any] | None = None, **params: Any) -> Stream:
         """Append a chat turn in the model's own template, then stream the assistant's reply.
 
         ``messages`` is a str (one user message), a {"role", "content"} mapping, or a list of them
@@ -354,7 +356,8 @@ class Conversation(_ConversationBase):
         to the template (or described in a system message when it has no place for them); the
         completion's ``tool_calls`` are the calls the reply makes. ``tool_choice`` "required" or
         ``{"type": "function", "function": {"name": ...}}`` constrains the reply to a valid call,
-        "none" offers no tools. Parameters are those of ``stream()``.
+        "none" offers no tools. ``chat_template_kwargs`` are variables for the template (see
+        ``append_chat``). Parameters are those of ``stream()``.
 
         Raises:
             ChatTemplateError: a malformed message, a role with special-token text, or messages the
@@ -363,7 +366,7 @@ class Conversation(_ConversationBase):
             ``stream()`` raises (``Overloaded``), the turn stays appended: call ``stream()`` later
             for the reply.
         """
-        params = self._chat_turn(messages, params, tools, tool_choice)
+        params = self._chat_turn(messages, params, tools, tool_choice, chat_template_kwargs)
         return self.stream(**params)
 
     async def save(self, path: str | os.PathLike[str]) -> None:

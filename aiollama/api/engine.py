@@ -114,16 +114,23 @@ class _EngineBase:
         return self._client.tokenizer.piece(token)
 
     def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
-        """The text the model's chat template makes of ``messages`` (offering ``tools``): the prompt
-        ``chat()`` evaluates for a new conversation. Raises ``ChatTemplateError`` for malformed
-        messages, ``InvalidRequestError`` for a malformed tool."""
+                    tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """The text the model's chat template makes of ``messages`` (offering ``tools``, with
+        ``chat_template_kwargs``): the prompt ``chat()`` evaluates for a new conversation. Raises
+        ``ChatTemplateError`` for malformed messages or kwargs, ``InvalidRequestError`` for a
+        malformed tool."""
         template, new = self._client.chat_template, normalize(messages)
         if tools:
             tool_names(tools)
             if not template.supports_tools:
                 new, tools = tools_as_text(new, tools, first=True), None
-        return template.render(new, add_generation_prompt, tools or None)
+        return template.render(new, add_generation_prompt, tools or None, chat_template_kwargs)
+
+    def chat_template_reads(self, name: str) -> bool:
+        """Whether the model's chat template reads the variable ``name`` (``enable_thinking``, say),
+        so that ``chat_template_kwargs`` can set it."""
+        return self._client.chat_template.reads(name)
 
     def statistics(self) -> Statistics:
         """The engine's counters after the latest decode step (conversations, KV cells, tokens, time)."""

@@ -42,7 +42,8 @@ class Chunk:
 @dataclass(frozen=True)
 class Completion:
     """A whole generation: ``finish_reason`` is EOG, STOP, LENGTH or CANCELLED; ``stats`` says what
-    it cost (None when the engine closed under it). ``reasoning`` is the text of a thinking block
+    it cost (None when the engine closed under it); ``stop_sequence`` is the stop string that ended
+    it (finish reason STOP). ``reasoning`` is the text of a thinking block
     at its start (see :mod:`aiollama.formats.reasoning`) and ``content`` the rest: all of ``text`` for a
     model that does not think, and what a constraint matched. When the chat turn offered tools,
     ``tool_calls`` are the calls the content makes (see :mod:`aiollama.formats.toolcalls`)."""
@@ -55,6 +56,7 @@ class Completion:
     tool_calls: list[ToolCall] = field(default_factory=list)
     reasoning: str = ""
     content: str = ""
+    stop_sequence: str | None = None
 
 
 class TokenHistory:
@@ -168,6 +170,7 @@ class Collector:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_names: Collection[str] = field(default_factory=list)  # the tools offered: parse calls at the end
     in_thinking: bool = False  # the prompt opened a thinking block
+    stop_sequence: str | None = None
 
     def take(self, item: Item) -> Chunk | None:
         """Record a delta; return the chunk to hand out, or None when there is nothing to show."""
@@ -180,7 +183,7 @@ class Collector:
         self.tokens.extend(delta.tokens)
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
-            self.finish_reason, self.stats = delta.finish_reason, delta.stats
+            self.finish_reason, self.stats, self.stop_sequence = delta.finish_reason, delta.stats, delta.stop
         if not delta.text and not delta.tokens:
             return None  # the end, or a context shift: nothing to show
         return Chunk(delta.text, list(delta.tokens), delta.finish_reason, delta.stats, list(delta.logprobs))
@@ -198,7 +201,7 @@ class Collector:
         thought, content = reasoning.split(text, inside=self.in_thinking)
         calls = parse(content, self.tool_names)[1] if self.tool_names else []
         return Completion(text, list(self.tokens), self.finish_reason or FinishReason.CANCELLED, self.stats,
-                          list(self.logprobs), calls, thought, content)
+                          list(self.logprobs), calls, thought, content, self.stop_sequence)
 
 
 class StreamBase:
@@ -246,6 +249,11 @@ class StreamBase:
     def stats(self) -> GenerationStats | None:
         """What the generation cost, once it has ended."""
         return self._result.stats
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the generation (finish reason STOP), else None."""
+        return self._result.stop_sequence
 
     def __del__(self) -> None:
         # Breaking out of a loop drops the stream: end its generation within a step. This only

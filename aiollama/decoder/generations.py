@@ -154,7 +154,7 @@ class Generations:
             return Delta(gen.text.finish(), (), FinishReason.EOG, history=token)
         text = gen.text.feed(sampled.piece)
         if gen.text.stopped:
-            return Delta(text, token, FinishReason.STOP, history=token, logprobs=logprobs)
+            return Delta(text, token, FinishReason.STOP, history=token, logprobs=logprobs, stop=gen.text.matched)
         if sampled.final:  # the constraint is complete
             return Delta(text + gen.text.finish(), token, FinishReason.EOG, history=token, logprobs=logprobs)
         limit = gen.params.max_tokens

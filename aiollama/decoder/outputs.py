@@ -79,7 +79,8 @@ class Delta:
     ``text`` and ``tokens`` are what the stream shows; ``history`` is every token the step appended
     to the conversation (also an end-of-generation token, which the stream does not show).
     ``dropped`` is a context shift, ``(n_keep, n)``: tokens ``[n_keep, n_keep + n)`` left the
-    history before ``history`` was appended. The last delta carries ``stats``.
+    history before ``history`` was appended. The last delta carries ``stats``, and ``stop`` the
+    stop string that ended the generation (finish reason STOP).
     """
 
     text: str = ""
@@ -90,6 +91,7 @@ class Delta:
     dropped: tuple[int, int] | None = None
     stats: GenerationStats | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    stop: str | None = None
 
 
 @dataclass(frozen=True)

@@ -214,18 +214,43 @@ class ChatTemplate:
         """Whether the template has a place for tools (else they are described in a system message)."""
         return self._jinja is not None and self.source is not None and "tools" in self.source
 
+    def reads(self, name: str) -> bool:
+        """Whether the model's own template reads the variable ``name``."""
+        return self._jinja is not None and self.source is not None and \
+            re.search(rf"\b{re.escape(name)}\b", self.source) is not None
+
+    def check_kwargs(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``chat_template_kwargs`` as the template gets them: each must be a variable the model's
+        own template reads (``enable_thinking``, ``reasoning_effort``, ...), else ChatTemplateError,
+        so a control the template cannot honour is never silently dropped."""
+        if not kwargs:
+            return {}
+        if not isinstance(kwargs, Mapping):
+            raise ChatTemplateError("chat_template_kwargs must be a mapping of names to values")
+        for name in kwargs:
+            if not isinstance(name, str) or name in _RESERVED:
+                raise ChatTemplateError(f"chat_template_kwargs cannot set {name!r}")
+            if not self.reads(name):
+                raise ChatTemplateError(f"the model's chat template does not read {name!r}, so it cannot be set")
+        return dict(kwargs)
+
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None, kwargs: Mapping[str, Any] | None = None) -> str:
+        extra = self.check_kwargs(kwargs)
         if self._jinja is not None:
             try:
-                extra = {} if tools is None else {"tools": tools}
-                return str(self._jinja.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                              **self._vars, **extra))
+                if tools is not None:
+                    extra["tools"] = tools
+                return str(self._jinja.render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
+                                              **self._vars))
             except _Refused as exc:
                 raise ChatTemplateError(f"the chat template refuses these messages: {exc}") from None
             except Exception as exc:  # noqa: BLE001 - a template bug, not the caller's: fall back
                 log.warning("the model's chat template failed (%r); using llama.cpp's built-in template", exc)
         return self._builtin([{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt)
+
+
+_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
 
 
 class _Refused(Exception):

@@ -4,10 +4,14 @@ Reasoning models (Qwen3, DeepSeek-R1 and their kin) think between ``<think>`` an
 before they answer. Some templates open the block in the generation prompt, so the generated text
 starts inside it and only the closing marker appears; :func:`opened` tells that case from the
 prompt's end. :func:`split` divides generated text into the reasoning and the answer (OpenAI's
-``reasoning_content`` and ``content``, as llama-server and vLLM emit them).
+``reasoning_content`` and ``content``, as llama-server and vLLM emit them). A :class:`Budget`
+closes a thinking block that has run for its number of tokens.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
 
 START, END = "<think>", "</think>"
 
@@ -39,3 +43,56 @@ def pending(text: str, *, inside: bool = False) -> bool:
     if inside or stripped.startswith(START):
         return END not in stripped
     return START.startswith(stripped)
+
+
+class Budget:
+    """A thinking budget for one generation: once ``limit`` tokens have been generated inside its
+    thinking block, the tokens of ``closing`` (a message, then the closing marker) are forced, one
+    a step, and the model answers after them. ``inside``: the prompt opened the block. A
+    generation that starts with something other than a thinking block is not touched.
+    """
+
+    def __init__(self, limit: int, closing: Sequence[int], *, inside: bool) -> None:
+        self.left = limit
+        self.closing = list(closing)
+        self.inside = inside
+        self.done = False  # the block closed (by the model or by force), or there was none
+        self.forced: deque[int] = deque()
+        self._text = ""  # generated so far, until the block is known to be open (or not)
+        if inside:
+            self._enter()
+
+    def _enter(self) -> None:
+        self.inside = True
+        self._text = ""
+        if self.left <= 0:
+            self.forced.extend(self.closing)
+
+    @property
+    def forcing(self) -> int | None:
+        """The token the next step must take, if any."""
+        return self.forced[0] if self.forced else None
+
+    def took(self, piece: bytes) -> None:
+        """The generation took a token whose text is ``piece``."""
+        if self.forced:
+            self.forced.popleft()
+            self.done = not self.forced
+            return
+        if self.done:
+            return
+        self._text += piece.decode("utf-8", "replace")
+        if not self.inside:
+            head = self._text.lstrip()
+            if head.startswith(START):
+                self._enter()
+            elif not START.startswith(head):
+                self.done = True
+            return
+        self._text = self._text[-len(END) * 4:]
+        if END in self._text:
+            self.done = True
+            return
+        self.left -= 1
+        if self.left <= 0:
+            self.forced.extend(self.closing)

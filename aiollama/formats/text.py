@@ -22,6 +22,7 @@ class TextAssembler:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._held = ""  # decoded text not yet emitted: a possible stop-string prefix
         self.stopped = False
+        self.matched: str | None = None  # the stop string found
 
     def feed(self, piece: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to emit.
@@ -54,7 +55,7 @@ class TextAssembler:
         for stop in self._stop:
             i = held.find(stop)
             if i >= 0 and (first < 0 or i < first):
-                first = i
+                first, self.matched = i, stop
         if first >= 0:
             self.stopped = True
             self._held = ""

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from aiollama.errors import LogitsProcessorError
+from aiollama.formats import reasoning
 from aiollama.formats.constraints import Masks
 from aiollama.native import Context, SamplerChain, Vocab, available_cpus, sample_rows
 from aiollama.native.sampler import DEFAULT_SEED, attach
@@ -64,10 +65,12 @@ class _Sampler:
     guide: int | None = None  # the conversation whose row guides this one's
     scale: float = 1.0
     in_graph: bool = False  # the chain was attached for backend sampling once (it cannot be again)
+    budget: reasoning.Budget | None = None  # the thinking budget, which may force tokens
 
     @property
     def reads_row(self) -> bool:
-        return self.matcher is not None or self.top_logprobs >= 0 or bool(self.processors) or self.guide is not None
+        return self.matcher is not None or self.top_logprobs >= 0 or bool(self.processors) or self.guide is not None \
+            or (self.budget is not None and self.budget.forcing is not None)
 
     def process(self, logits: np.ndarray) -> None:
         """Run the stream's logits processors on its row, in order."""
@@ -139,7 +142,17 @@ class Sampling:
         processors = params.logits_processors
         guide, scale = guidance if guidance is not None else (None, 1.0)
         self._streams[conv] = _Sampler(build_chain(self.vocab, params, history), matcher, top, processors,
-                                        list(history) if processors else None, guide, scale)
+                                        list(history) if processors else None, guide, scale,
+                                        budget=self._budget(params, history))
+
+    def _budget(self, params: SamplingParams, history: Sequence[int]) -> reasoning.Budget | None:
+        if params.reasoning_budget is None:
+            return None
+        tail = b"".join(self.vocab.token_to_piece(t, special=True) for t in history[-8:])
+        closing = self.vocab.tokenize(params.reasoning_budget_message + "\n" + reasoning.END + "\n\n",
+                                      parse_special=True)
+        return reasoning.Budget(params.reasoning_budget, closing,
+                                inside=reasoning.opened(tail.decode("utf-8", "replace")))
 
     def stop(self, conv: int) -> None:
         sampler = self._streams.pop(conv, None)
@@ -238,6 +251,11 @@ class Sampling:
         if sampler.matcher is not None:
             assert self._masks is not None
             self._masks.apply(logits, mask)
+        forced = sampler.budget.forcing if sampler.budget is not None else None
+        if forced is not None:  # the thinking budget is spent: the closing tokens, one a step
+            kept = float(logits[forced])
+            logits.fill(-np.inf)
+            logits[forced] = kept if np.isfinite(kept) else 0.0
         return logits, lse, top
 
     def _sampled(self, conv: int, sampler: _Sampler, token: int,
@@ -256,6 +274,8 @@ class Sampling:
         known = self._tokens.get(token)
         if known is None:  # a token's piece and end-of-generation flag, asked of llama.cpp once
             known = self._tokens[token] = (self.vocab.token_to_piece(token), self.vocab.is_eog(token))
+        if sampler.budget is not None:
+            sampler.budget.took(known[0])
         return Sampled(conv, token, known[0], known[1], final, logprob, top)
 
     def close(self) -> None:

@@ -29,7 +29,13 @@ from aiollama.server.requests import (
     completion_request,
 )
 from aiollama.server.shape import ChatChoice, TextChoice
-from aiollama.server.state import State, check_prompt_size, serving_engine, translate
+from aiollama.server.state import (
+    State,
+    check_prompt_size,
+    check_template_kwargs,
+    serving_engine,
+    translate,
+)
 
 
 async def completions(state: State, request: HttpRequest) -> Response:
@@ -79,7 +85,8 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
                 req.params["json_schema"] = schema
         if chat:
             assert req.messages is not None
-            n_prompt = root.append_chat(req.messages, tools=tools)
+            check_template_kwargs(engine, req.template_kwargs)
+            n_prompt = root.append_chat(req.messages, tools=tools, chat_template_kwargs=req.template_kwargs)
         else:
             tokens = engine.tokenize(req.prompt, add_special=True) if isinstance(req.prompt, str) else req.prompt
             assert tokens is not None
@@ -196,9 +203,9 @@ async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
-            async with anyio.create_task_group() as choices:
+            async with anyio.create_task_group() as each:
                 for i, stream in enumerate(job.streams):
-                    choices.start_soon(whole, i, stream)
+                    each.start_soon(whole, i, stream)
             finished = True
             tg.cancel_scope.cancel()
     finally:

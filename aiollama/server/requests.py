@@ -39,6 +39,7 @@ class Request:
     params: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = "auto"
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -120,6 +121,15 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
     priority = _integer(body, "priority", -(2**31), 2**31 - 1)  # vLLM's extension: lower values first
     if priority is not None:
         params["priority"] = priority
+    budget = _integer(body, "reasoning_budget", 0)  # tokens of thinking before the engine closes the block
+    if budget is not None:
+        params["reasoning_budget"] = budget
+    message = body.get("reasoning_budget_message")
+    if message is not None:
+        if not isinstance(message, str) or budget is None:
+            raise BadRequest("'reasoning_budget_message' must be a string, given with 'reasoning_budget'",
+                             param="reasoning_budget_message")
+        params["reasoning_budget_message"] = message
     bias = body.get("logit_bias")
     if bias is not None:
         try:
@@ -153,11 +163,13 @@ COMMON_FIELDS = frozenset({
     "model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias", "response_format", "best_of",
     "top_k", "min_p", "repeat_penalty", "grammar", "json_schema", "priority", "ignore_eos", "cache_prompt",
+    "reasoning_budget", "reasoning_budget_message",
     *UNSUPPORTED,
     "user", "metadata",  # informational: they change nothing in the answer
 })
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                               "chat_template_kwargs", "reasoning_effort"}
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 MAX_TOOLS = 128
 
@@ -248,6 +260,7 @@ def chat_request(body: Any) -> Request:
         request.tools = tools or None
     if "tool_choice" in body:
         request.tool_choice = body["tool_choice"]
+    request.template_kwargs = template_kwargs(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
@@ -273,6 +286,21 @@ def chat_request(body: Any) -> Request:
         out.append(item)
     request.messages = out
     return request
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs``, with ``reasoning_effort`` among them: variables for the model's
+    template, which must read each of them (else the request fails, never ignoring a control)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("minimal", "low", "medium", "high"):
+            raise BadRequest("'reasoning_effort' must be 'minimal', 'low', 'medium' or 'high'",
+                             param="reasoning_effort")
+        kwargs = {**kwargs, "reasoning_effort": effort}
+    return dict(kwargs)
 
 
 def embeddings_request(body: Any) -> tuple[Any, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiollama import Engine, Statistics
 from aiollama.errors import (
@@ -67,6 +68,16 @@ def check_prompt_size(state: State, engine: Engine, texts: Iterable[str], room: 
     if size > room * state.longest_piece:
         raise BadRequest(f"the prompt ({size} bytes) cannot fit the context of {room} tokens",
                          code="context_length_exceeded")
+
+
+def check_template_kwargs(engine: Engine, kwargs: dict[str, Any]) -> None:
+    """A 400 naming the field for a template variable the model's template does not read: the
+    control would be silently lost."""
+    for name in kwargs:
+        if not engine.chat_template_reads(name):
+            param = "reasoning_effort" if name == "reasoning_effort" else "chat_template_kwargs"
+            raise BadRequest(f"this model's chat template does not read {name!r}, so it cannot be honoured",
+                             param=param, code="unsupported_parameter")
 
 
 def serving_engine(state: State) -> Engine:

@@ -62,12 +62,13 @@ async def detokenize(state: State, request: HttpRequest) -> Response:
 async def apply_template(state: State, request: HttpRequest) -> Response:
     """``{"messages", "tools"}`` -> ``{"prompt": text}``: what a chat request would evaluate."""
     body = await state.guard.read_json(request)
-    json_object(body, frozenset({"messages", "tools", "tool_choice"}))
+    json_object(body, frozenset({"messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort"}))
     req = chat_request(body)
     engine = serving_engine(state)
     assert req.messages is not None
     try:
-        prompt = engine.render_chat(req.messages, tools=req.tools if req.tool_choice != "none" else None)
+        prompt = engine.render_chat(req.messages, tools=req.tools if req.tool_choice != "none" else None,
+                                    chat_template_kwargs=req.template_kwargs)
     except AiollamaError as exc:
         raise translate(exc) from None
     return JSONResponse({"prompt": prompt})
