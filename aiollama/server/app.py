@@ -27,7 +27,7 @@ from aiollama.errors import (
     AiollamaError,
 )
 from aiollama.models import default_model
-from aiollama.server import responses
+from aiollama.server import messages, responses
 from aiollama.server.generate import chat_completions, completions
 from aiollama.server.guard import Guard, Limits, load_keys
 from aiollama.server.requests import (
@@ -81,6 +81,9 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
         Route("/v1/responses", _endpoint(state, "responses", responses.create), methods=["POST"]),
         Route("/v1/responses/{response_id}", _endpoint(state, "responses", responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", _endpoint(state, "responses", responses.delete), methods=["DELETE"]),
+        Route("/v1/messages", _endpoint(state, "messages", messages.create, messages.error_body), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _endpoint(state, "messages", messages.count_tokens, messages.error_body),
+              methods=["POST"]),
         Route("/tokenize", _endpoint(state, "tokenize", tokenize), methods=["POST"]),
         Route("/detokenize", _endpoint(state, "detokenize", detokenize), methods=["POST"]),
         Route("/apply-template", _endpoint(state, "apply_template", apply_template), methods=["POST"]),
@@ -93,21 +96,20 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
 Handler = Callable[[State, HttpRequest], Awaitable[Response]]
 
 
-def _endpoint(state: State, name: str, handler: Handler) -> Callable[[HttpRequest], Awaitable[Response]]:
+def _endpoint(state: State, name: str, handler: Handler,
+              shape: Callable[[BadRequest], dict[str, Any]] = BadRequest.body) -> Callable[[HttpRequest], Awaitable[Response]]:
+    """``handler`` as a route: its key checked, its refusals answered in ``shape`` (OpenAI's error
+    object unless the API has its own), counted in the metrics."""
     async def endpoint(request: HttpRequest) -> Response:
         try:
             request.state.api_key = state.guard.identify(request, name)
             response = await handler(state, request)
         except BadRequest as exc:
-            response = _error(exc, state)
+            headers = {"Retry-After": str(state.retry_after)} if exc.status == 503 else None
+            response = JSONResponse(shape(exc), status_code=exc.status, headers=headers)
         state.metrics.requests.labels(name, str(response.status_code)).inc()
         return response
     return endpoint
-
-
-def _error(exc: BadRequest, state: State) -> JSONResponse:
-    headers = {"Retry-After": str(state.retry_after)} if exc.status == 503 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 async def _health(state: State, request: HttpRequest) -> Response:

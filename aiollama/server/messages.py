@@ -1,0 +1,240 @@
+"""Anthropic's Messages API: ``/v1/messages`` (whole or streamed) and ``/v1/messages/count_tokens``.
+
+A reply's thinking (the text of the model's thinking block) becomes a ``thinking`` block, its
+text a ``text`` block and its tool calls ``tool_use`` blocks. Text that may start a tool call is
+held back while it streams, so a call never leaks into a text block. ``usage.input_tokens`` counts
+the prompt tokens evaluated, ``cache_read_input_tokens`` those found in the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from aiollama import Engine, FinishReason, Stream
+from aiollama.errors import AiollamaError
+from aiollama.formats.toolcalls import tool_schemas
+from aiollama.server.generate import cancel_on_disconnect
+from aiollama.server.messages_request import MessagesRequest, messages_request
+from aiollama.server.requests import BadRequest
+from aiollama.server.shape import ChatChoice
+from aiollama.server.state import State, check_prompt_size, serving_engine, translate
+
+STOP_REASONS = {FinishReason.EOG: "end_turn", FinishReason.STOP: "stop_sequence", FinishReason.LENGTH: "max_tokens",
+                FinishReason.CANCELLED: "end_turn"}
+
+
+def template_kwargs(engine: Engine, req: MessagesRequest) -> dict[str, Any]:
+    """``thinking`` as the template's ``enable_thinking``. Asking for no thinking from a template
+    that cannot be told is an error; asking for thinking from one that cannot is not: such a
+    model simply answers without a thinking block."""
+    kwargs: dict[str, Any] = {}
+    if req.effort is not None:
+        if not engine.chat_template_reads("reasoning_effort"):
+            raise BadRequest("this model's chat template reads no 'reasoning_effort', so output_config.effort "
+                             "cannot be honoured", param="output_config.effort", code="unsupported_parameter")
+        kwargs["reasoning_effort"] = req.effort
+    if req.thinking is None:
+        return kwargs
+    if engine.chat_template_reads("enable_thinking"):
+        return {**kwargs, "enable_thinking": req.thinking}
+    if req.thinking is False:
+        raise BadRequest("this model's chat template has no switch for thinking ('enable_thinking'), so "
+                         "thinking cannot be disabled", param="thinking", code="unsupported_parameter")
+    return kwargs
+
+
+async def count_tokens(state: State, request: HttpRequest) -> Response:
+    """``/v1/messages/count_tokens``: the prompt tokens the same body would evaluate."""
+    req = messages_request(await state.guard.read_json(request), count_only=True)
+    engine = serving_engine(state)
+    check_prompt_size(state, engine, [str(m.get("content") or "") for m in req.messages], engine.n_ctx)
+    try:
+        text = engine.render_chat(req.messages, tools=req.tools if req.tool_choice != "none" else None,
+                                  chat_template_kwargs=template_kwargs(engine, req))
+    except AiollamaError as exc:
+        raise translate(exc) from None
+    tokens = await anyio.to_thread.run_sync(lambda: engine.tokenize(text, add_special=False, special=True))
+    return JSONResponse({"input_tokens": len(tokens)})
+
+
+async def create(state: State, request: HttpRequest) -> Response:
+    req = messages_request(await state.guard.read_json(request))
+    release = state.guard.hold(getattr(request.state, "api_key", ""))
+    try:
+        reply = _start(state, req)
+    except BaseException:
+        release()
+        raise
+    if req.stream:
+        return StreamingResponse(_events(reply, release), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    finished = False
+    try:
+        async with anyio.create_task_group() as tg:  # a client that goes away cancels its generation
+            tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
+            for chunk in await reply.stream.rest():
+                reply.choice.feed(chunk)
+                reply.generated += len(chunk.tokens)
+            finished = True
+            tg.cancel_scope.cancel()
+    except AiollamaError as exc:
+        raise translate(exc) from None
+    finally:
+        release()
+        with anyio.CancelScope(shield=True):
+            await reply.stream.aclose()
+            await reply.close()
+    if not finished:
+        return Response(status_code=499)
+    return JSONResponse(reply.message(reply.blocks(), *reply.stop(), reply.usage(reply.generated)))
+
+
+class Reply:
+    """One message being generated: its conversation's stream, and how its output is shaped."""
+
+    def __init__(self, state: State, req: MessagesRequest, stream: Stream, close: Callable[[], Any],
+                 input_tokens: int) -> None:
+        self.stream, self.close = stream, close
+        self.id = "msg_" + uuid.uuid4().hex
+        self.model = state.name()
+        self.input_tokens = input_tokens
+        self.choice = ChatChoice(0, tool_schemas(req.tools) if req.tools else [],
+                                 serving_engine(state).token_bytes, in_thinking=stream.in_thinking)
+        self.generated = 0
+        self.show_thinking = req.show_thinking
+
+    def message(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None,
+                usage: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+    def usage(self, output_tokens: int) -> dict[str, Any]:
+        stats = self.stream.stats
+        cached = min(stats.cached_tokens, self.input_tokens) if stats is not None else 0
+        return {"input_tokens": self.input_tokens - cached, "output_tokens": output_tokens,
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+    def stop(self) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence), once the generation has ended."""
+        message = self.choice.message(self.stream.finish_reason)
+        if message["finish_reason"] == "tool_calls":
+            return "tool_use", None
+        reason = STOP_REASONS.get(self.stream.finish_reason or FinishReason.EOG, "end_turn")
+        return reason, self.stream.stop_sequence if reason == "stop_sequence" else None
+
+    def blocks(self) -> list[dict[str, Any]]:
+        """The whole reply as content blocks."""
+        message = self.choice.message(self.stream.finish_reason)["message"]
+        out: list[dict[str, Any]] = []
+        if message.get("reasoning_content"):
+            out.append({"type": "thinking", "thinking": message["reasoning_content"] if self.show_thinking else "",
+                        "signature": ""})
+        if message.get("content"):
+            out.append({"type": "text", "text": message["content"]})
+        out += [tool_use(call) for call in message.get("tool_calls") or []]
+        return out
+
+
+def tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call as a ``tool_use`` block."""
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"] or "{}")}
+
+
+def _start(state: State, req: MessagesRequest) -> Reply:
+    engine = serving_engine(state)
+    check_prompt_size(state, engine, [str(m.get("content") or "") for m in req.messages], engine.n_ctx)
+    conv = engine.conversation()
+    try:
+        stream = conv.chat(req.messages, tools=req.tools, tool_choice=req.tool_choice,
+                           chat_template_kwargs=template_kwargs(engine, req), **req.params)
+    except BaseException as exc:
+        conv.close_nowait()
+        if isinstance(exc, AiollamaError):
+            raise translate(exc) from None
+        raise
+    return Reply(state, req, stream, conv.aclose, len(conv))
+
+
+def _event(kind: str, **fields: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+
+async def _events(reply: Reply, release: Callable[[], None]) -> AsyncIterator[str]:
+    """The streaming event sequence: ``message_start``, each block's ``content_block_start``,
+    deltas and ``content_block_stop``, then ``message_delta`` and ``message_stop``."""
+    index = -1
+    kind: str | None = None  # the open block's type
+
+    def switch(to: str, block: dict[str, Any]) -> list[str]:
+        nonlocal index, kind
+        out = [_event("content_block_stop", index=index)] if kind is not None else []
+        index, kind = index + 1, to
+        return out + [_event("content_block_start", index=index, content_block=block)]
+
+    def pieces(deltas: list[dict[str, Any]]) -> list[str]:
+        out = []
+        for delta in deltas:
+            if piece := delta["delta"].get("reasoning_content"):
+                if kind != "thinking":
+                    out += switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                if not reply.show_thinking:
+                    continue
+                out.append(_event("content_block_delta", index=index, delta={"type": "thinking_delta",
+                                                                              "thinking": piece}))
+            if piece := delta["delta"].get("content"):
+                if kind != "text":
+                    out += switch("text", {"type": "text", "text": ""})
+                out.append(_event("content_block_delta", index=index, delta={"type": "text_delta", "text": piece}))
+            for call in delta["delta"].get("tool_calls") or []:
+                block = tool_use(call)
+                out += switch("tool_use", {**block, "input": {}})
+                out.append(_event("content_block_delta", index=index, delta={
+                    "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}))
+        return out
+
+    try:
+        yield _event("message_start", message=reply.message([], None, None, reply.usage(0)))
+        try:
+            async for chunk in reply.stream:
+                reply.generated += len(chunk.tokens)
+                for line in pieces(reply.choice.feed(chunk)):
+                    yield line
+            for line in pieces(reply.choice.finish(reply.stream.finish_reason)):
+                yield line
+        except AiollamaError as exc:
+            error = translate(exc)
+            yield _event("error", error={"type": anthropic_type(error.status), "message": error.message})
+            return
+        if kind is not None:
+            yield _event("content_block_stop", index=index)
+        stop_reason, stop_sequence = reply.stop()
+        usage = reply.usage(reply.generated)
+        yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                     usage={"output_tokens": reply.generated, "input_tokens": usage["input_tokens"],
+                            "cache_read_input_tokens": usage["cache_read_input_tokens"]})
+        yield _event("message_stop")
+    finally:
+        release()
+        with anyio.CancelScope(shield=True):
+            await reply.stream.aclose()
+            await reply.close()
+
+
+def anthropic_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+            503: "overloaded_error"}.get(status, "api_error")
+
+
+def error_body(exc: BadRequest) -> dict[str, Any]:
+    """Anthropic's error shape."""
+    return {"type": "error", "error": {"type": anthropic_type(exc.status), "message": exc.message}}
+
