@@ -229,8 +229,10 @@ class SyncEngine:
             raise EngineClosed("the engine is not started: use 'with', or start it")
         return self._portal_
 
-    def conversation(self, prompt: str | Sequence[int] | None = None) -> SyncConversation:
-        return SyncConversation(self._portal, self._portal.call(self._engine.conversation, prompt))
+    def conversation(self, prompt: str | Sequence[int] | None = None, *,
+                     cache_salt: str | None = None) -> SyncConversation:
+        return SyncConversation(self._portal, self._portal.call(
+            functools.partial(self._engine.conversation, prompt, cache_salt=cache_salt)))
 
     def load(self, path: str | os.PathLike[str]) -> SyncConversation:
         """A saved conversation; see ``Engine.load``."""

@@ -147,13 +147,13 @@ class _EngineBase:
         """The model's vocabulary size: the length of a logits row."""
         return self._client.tokenizer.n_vocab
 
-    def _new(self, cls: type[Any], prompt: str | Sequence[int] | None) -> Any:
+    def _new(self, cls: type[Any], prompt: str | Sequence[int] | None, salt: str | None = None) -> Any:
         client = self._client
         client.check()
         if client.owner is not None:
             client.check_loop()
         conv = cls(client, client.new_id())
-        client.send(NewConversation(conv.id))
+        client.send(NewConversation(conv.id, salt=salt))
         if prompt is not None:
             conv.prompt(prompt)
         return conv
@@ -247,9 +247,13 @@ class Engine(_EngineBase):
         if self._engine_client is not None:
             self._engine_client.close_nowait()
 
-    def conversation(self, prompt: str | Sequence[int] | None = None) -> Conversation:
-        """A new, empty conversation (or one holding ``prompt``). Cheap: it takes no seq id yet."""
-        conv: Conversation = self._new(Conversation, prompt)
+    def conversation(self, prompt: str | Sequence[int] | None = None, *, cache_salt: str | None = None) -> Conversation:
+        """A new, empty conversation (or one holding ``prompt``). Cheap: it takes no seq id yet.
+        With ``cache_salt`` it (and its forks) share KV cells, cached or live, only with
+        conversations of the same salt: callers with different salts never see each other's cache."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a str, got {cache_salt!r}")
+        conv: Conversation = self._new(Conversation, prompt, cache_salt)
         return conv
 
     async def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *,

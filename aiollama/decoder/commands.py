@@ -45,6 +45,7 @@ class Sink(Protocol):
 class NewConversation:
     conv: int
     tokens: tuple[int, ...] = ()
+    salt: str | None = None  # shares cached cells only with conversations of the same salt
 
 
 @dataclass(frozen=True)

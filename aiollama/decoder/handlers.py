@@ -60,7 +60,7 @@ class Handlers:
         self._table[type(command)](command)
 
     def _new(self, command: NewConversation) -> None:
-        self.core.scheduler.add(command.conv, command.tokens)
+        self.core.scheduler.add(command.conv, command.tokens, command.salt)
 
     def _prompt(self, command: Prompt) -> None:
         sched, gens = self.core.scheduler, self.core.generations
@@ -161,7 +161,7 @@ class Handlers:
         if seq.seq_id is not None and seq.n_cached > 0:
             state, n_cached = self.core.executor.read_state(seq.seq_id), seq.n_cached
         else:  # parked in host memory, perhaps
-            parked, n = self.core.scheduler.kv.host.best(seq.tokens, len(seq.tokens))
+            parked, n = self.core.scheduler.kv.host.best(seq.tokens, len(seq.tokens), seq.salt)
             if parked is not None and parked.data is not None and n == len(parked.tokens):
                 state, n_cached = parked.data, n
         self.core.outbox.emit(command.sink, Snapshot(tuple(seq.tokens), n_cached if state else 0, state))

@@ -22,6 +22,7 @@ class Parked:
     tokens: list[int] = field(repr=False)
     data: bytes | None = field(default=None, repr=False)  # None while the copy is pending
     last_used: int = 0
+    salt: str | None = None  # found only by sequences of the same salt
 
     @property
     def n_bytes(self) -> int:
@@ -103,7 +104,7 @@ class HostCache:
         self.used_bytes = 0
         self.dropped = 0  # entries dropped to stay within the budget
         self._entries: dict[int, Parked] = {}
-        self._trie = TokenTrie()  # of the entries whose copy arrived
+        self._tries: dict[str | None, TokenTrie] = {}  # per salt: the entries whose copy arrived
         self._keys = itertools.count(1)
 
     @property
@@ -113,10 +114,10 @@ class HostCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def reserve(self, tokens: Sequence[int], now: int) -> int:
+    def reserve(self, tokens: Sequence[int], now: int, salt: str | None = None) -> int:
         """A state of ``tokens`` is being copied out; returns its key."""
         key = next(self._keys)
-        self._entries[key] = Parked(key, list(tokens), last_used=now)
+        self._entries[key] = Parked(key, list(tokens), last_used=now, salt=salt)
         return key
 
     def fill(self, key: int, data: bytes) -> None:
@@ -129,16 +130,19 @@ class HostCache:
             return
         entry.data = data
         self.used_bytes += len(data)
-        self._trie.insert(entry.tokens, key)
+        self._tries.setdefault(entry.salt, TokenTrie()).insert(entry.tokens, key)
         while self.used_bytes > self.budget:
             victim = min((e for e in self._entries.values() if e.data is not None and e is not entry),
                          key=lambda e: e.last_used)
             self.discard(victim.key)
             self.dropped += 1
 
-    def best(self, tokens: Sequence[int], limit: int) -> tuple[Parked | None, int]:
-        """The parked state sharing the longest prefix with ``tokens`` (at most ``limit``)."""
-        key, n = self._trie.longest(tokens, limit)
+    def best(self, tokens: Sequence[int], limit: int, salt: str | None = None) -> tuple[Parked | None, int]:
+        """The parked state of ``salt`` sharing the longest prefix with ``tokens`` (at most ``limit``)."""
+        trie = self._tries.get(salt)
+        if trie is None:
+            return None, 0
+        key, n = trie.longest(tokens, limit)
         return (None, 0) if key is None else (self._entries[key], n)
 
     def take(self, key: int) -> Parked:
@@ -149,7 +153,7 @@ class HostCache:
 
     def clear(self) -> None:
         self._entries.clear()
-        self._trie = TokenTrie()
+        self._tries.clear()
         self.used_bytes = 0
 
     def discard(self, key: int) -> None:
@@ -157,4 +161,4 @@ class HostCache:
         if entry is not None:
             self.used_bytes -= entry.n_bytes
             if entry.data is not None:
-                self._trie.remove(entry.tokens, key)
+                self._tries[entry.salt].remove(entry.tokens, key)

@@ -143,7 +143,7 @@ class KVManager:
     def extend(self, seq: SeqState, count: int) -> None:
         """``count`` more tokens of ``seq`` were decoded into the context."""
         start = seq.n_cached
-        self._set_tail(seq, self.cells.extend(seq.kv, seq.tokens[start:start + count]))
+        self._set_tail(seq, self.cells.extend(seq.kv, seq.tokens[start:start + count], seq.salt))
 
     def resync(self, seq: SeqState, n_cached: int) -> None:
         """After an aborted or failed decode: the context holds ``n_cached`` positions of ``seq``."""
@@ -160,15 +160,15 @@ class KVManager:
         moved = seq.tokens[keep + n:seq.n_cached]
         self._ops.append(Shift(seq.seq_id, keep, n))
         used = self.cells.used
-        self._set_tail(seq, self.cells.extend(self.cells.truncate(seq.kv, keep), moved))
+        self._set_tail(seq, self.cells.extend(self.cells.truncate(seq.kv, keep), moved, seq.salt))
         self._released(used)
 
     # the prefix cache and eviction
 
-    def find(self, tokens: Sequence[int], limit: int) -> tuple[SeqState | None, int]:
-        """A holder whose cells hold the longest cached prefix of ``tokens`` (at most ``limit``
-        long), and that prefix's length."""
-        span, n = self.cells.find(tokens, limit)
+    def find(self, tokens: Sequence[int], limit: int, salt: str | None = None) -> tuple[SeqState | None, int]:
+        """A holder of ``salt`` whose cells hold the longest cached prefix of ``tokens`` (at most
+        ``limit`` long), and that prefix's length."""
+        span, n = self.cells.find(tokens, limit, salt)
         if span is None:
             return None, 0
         for below in span.below():
@@ -215,7 +215,7 @@ class KVManager:
     def park(self, seq: SeqState) -> None:
         """Copy ``seq``'s cells to host memory (the bytes come with the step's result)."""
         assert seq.seq_id is not None
-        key = self.host.reserve(seq.tokens[:seq.n_cached], self.tick())
+        key = self.host.reserve(seq.tokens[:seq.n_cached], self.tick(), seq.salt)
         self._ops.append(Park(seq.seq_id, key))
         self.parks += 1
 
@@ -227,7 +227,7 @@ class KVManager:
         self.room(len(parked.tokens))
         self.host.take(parked.key)
         self._ops.append(Restore(seq.seq_id, parked.data))
-        self._set_tail(seq, self.cells.extend(None, parked.tokens))
+        self._set_tail(seq, self.cells.extend(None, parked.tokens, seq.salt))
         self.truncate(seq, n)
         seq.restoring = True
         seq.restores += 1

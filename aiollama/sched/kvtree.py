@@ -6,6 +6,8 @@ of spans: each sequence's cells are the path from its tail span to a root, and a
 counts the sequences whose path passes through it. Sequences that pass through a span hold the same
 tokens there, so each span keeps them and the tree is a radix tree of every cached prefix: finding
 the longest cached prefix of a prompt walks down from the roots, comparing spans, not sequences.
+Each root belongs to a ``salt`` (None: the common one): a prefix is found only under roots of the
+same salt, so conversations of different salts never share cells.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class Span:
     """Consecutive positions ``[start, end)`` held by the same set of sequences, and their tokens."""
 
-    __slots__ = ("parent", "start", "tokens", "refs", "children")
+    __slots__ = ("parent", "start", "tokens", "refs", "children", "salt")
+    salt: str | None  # of its root: a prefix is found only by holders of the same salt
 
-    def __init__(self, parent: Span | None, start: int, tokens: list[int], refs: int) -> None:
+    def __init__(self, parent: Span | None, start: int, tokens: list[int], refs: int,
+                 salt: str | None = None) -> None:
+        self.salt = salt if parent is None else parent.salt
         self.parent = parent
         self.start = start
         self.tokens = tokens
@@ -73,14 +78,14 @@ class KVCells:
     def __init__(self, n_cells: int) -> None:
         self.n_cells = n_cells
         self.used = 0
-        self.roots: dict[int, list[Span]] = {}
+        self.roots: dict[str | None, dict[int, list[Span]]] = {}  # salt -> first token -> root spans
 
     @property
     def free(self) -> int:
         return self.n_cells - self.used
 
     def _siblings(self, span: Span) -> dict[int, list[Span]]:
-        return self.roots if span.parent is None else span.parent.children
+        return self.roots.setdefault(span.salt, {}) if span.parent is None else span.parent.children
 
     def _attach(self, span: Span) -> None:
         self._siblings(span).setdefault(span.tokens[0], []).append(span)
@@ -91,16 +96,18 @@ class KVCells:
         spans.remove(span)
         if not spans:
             del siblings[span.tokens[0]]
+            if not siblings and span.parent is None:
+                del self.roots[span.salt]
 
-    def extend(self, tail: Span | None, tokens: Sequence[int]) -> Span | None:
-        """A sequence appended ``tokens``; return its new tail."""
+    def extend(self, tail: Span | None, tokens: Sequence[int], salt: str | None = None) -> Span | None:
+        """A sequence appended ``tokens``; return its new tail (a new root: of ``salt``)."""
         if not tokens:
             return tail
         self.used += len(tokens)
         if tail is not None and tail.refs == 1 and not tail.children:
             tail.tokens.extend(tokens)  # nobody else passes through the tail: grow it in place
             return tail
-        span = Span(tail, cached(tail), list(tokens), 1)
+        span = Span(tail, cached(tail), list(tokens), 1, salt)
         self._attach(span)
         return span
 
@@ -112,7 +119,7 @@ class KVCells:
             span = span.parent
         if span.end > n:
             k = n - span.start
-            head = Span(span.parent, span.start, span.tokens[:k], span.refs)
+            head = Span(span.parent, span.start, span.tokens[:k], span.refs, span.salt)
             siblings = self._siblings(span)[span.tokens[0]]
             siblings[siblings.index(span)] = head
             head.children = {span.tokens[k]: [span]}
@@ -152,14 +159,15 @@ class KVCells:
         """The sequence drops everything it holds."""
         self.truncate(tail, 0)
 
-    def find(self, tokens: Sequence[int], limit: int) -> tuple[Span | None, int]:
-        """The span where the longest cached prefix of ``tokens`` (at most ``limit`` long) ends, and
-        that prefix's length. Every sequence whose path passes through that span holds it.
+    def find(self, tokens: Sequence[int], limit: int, salt: str | None = None) -> tuple[Span | None, int]:
+        """The span where the longest cached prefix of ``tokens`` (at most ``limit`` long, under
+        roots of ``salt``) ends, and that prefix's length. Every sequence whose path passes through
+        that span holds it.
 
         Spans of one level rarely share a first token (only cells computed apart, not shared); when
         they do, each is followed."""
         found: tuple[Span | None, int] = (None, 0)
-        stack: list[tuple[dict[int, list[Span]], int]] = [(self.roots, 0)]
+        stack: list[tuple[dict[int, list[Span]], int]] = [(self.roots.get(salt, {}), 0)]
         while stack:
             level, pos = stack.pop()
             if pos >= limit:

@@ -38,10 +38,11 @@ class Queues:
         """Every live sequence (a read for tests and statistics; do not modify them)."""
         return list(self._seqs.values())
 
-    def add(self, conv: int, tokens: Iterable[int] = ()) -> SeqState:
+    def add(self, conv: int, tokens: Iterable[int] = (), salt: str | None = None) -> SeqState:
+        """A conversation; it shares cached cells only with holders of the same ``salt``."""
         if conv in self._seqs:
             raise KeyError(f"conversation {conv} already exists")
-        seq = SeqState(conv, list(tokens), last_used=self.kv.tick())
+        seq = SeqState(conv, list(tokens), last_used=self.kv.tick(), salt=salt)
         self._seqs[conv] = seq
         return seq
 
@@ -55,7 +56,7 @@ class Queues:
         it shares their KV once it runs (prefix sharing)."""
         src = self._seqs[parent]
         src.last_used = self.kv.tick()
-        return self.add(child, src.tokens if n_tokens is None else src.tokens[:n_tokens])
+        return self.add(child, src.tokens if n_tokens is None else src.tokens[:n_tokens], src.salt)
 
     def rewind(self, conv: int, n_tokens: int) -> None:
         """Keep only the first ``n_tokens`` tokens of an idle conversation (and of its cache)."""

@@ -198,7 +198,7 @@ class Scheduler(Queues):
             if self._running:
                 need = len(self._running)
                 for s in group:
-                    _, shared = self.kv.find(s.tokens, len(s.tokens) - 1)
+                    _, shared = self.kv.find(s.tokens, len(s.tokens) - 1, s.salt)
                     need += len(s.tokens) - max(shared, s.n_cached)
                 if not self.kv.free_cells(need):
                     return  # admitted now, it would only be preempted again

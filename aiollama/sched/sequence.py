@@ -30,6 +30,7 @@ class SeqState:
     started: int = 0  # admission order: the newest running one is preempted first
     follow: tuple[SeqState, int] | None = None  # (leader, prefix length) it waits to share
     entry: bool = False  # a cache entry: a closed conversation's prefix, no conversation behind it
+    salt: str | None = None  # shares cells only with holders of the same salt
     restoring: bool = False  # a parked state is being put back this step: no tokens for it yet
     n_keep: int | None = None  # context shift: keep this many first tokens; None: no shift
     draft: DraftLength | None = None  # n-gram speculation for the current generation; None: none

@@ -22,9 +22,9 @@ def share_prefix(kv: KVManager, seq: SeqState, running: Iterable[SeqState]) -> N
     """Share the longest cached prefix of ``seq``, restore a parked one, or arrange to follow a
     running sequence that is prefilling a longer one."""
     limit = len(seq.tokens) - 1  # at least one token must be evaluated for logits
-    best, best_n = kv.find(seq.tokens, limit)
+    best, best_n = kv.find(seq.tokens, limit, seq.salt)
     best_n = max(best_n, seq.n_cached)
-    parked, parked_n = kv.host.best(seq.tokens, limit)
+    parked, parked_n = kv.host.best(seq.tokens, limit, seq.salt)
     if parked is not None and parked_n - best_n >= max(MIN_RESTORE_GAIN, len(parked.tokens) // 2) \
             and kv.free_cells(len(parked.tokens) + 1):
         if seq.kv is not None:
@@ -35,7 +35,7 @@ def share_prefix(kv: KVManager, seq: SeqState, running: Iterable[SeqState]) -> N
         kv.share(seq, best, best_n)
     lead, lead_n = None, 0
     for other in running:
-        if other is seq or other.follow is not None:
+        if other is seq or other.follow is not None or other.salt != seq.salt:
             continue
         n = min(common_prefix(seq.tokens, other.tokens), limit)
         if n > other.n_cached and n > lead_n:

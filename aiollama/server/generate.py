@@ -71,7 +71,7 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
     engine = serving_engine(state)
     texts = [req.prompt] if isinstance(req.prompt, str) else [str(m.get("content") or "") for m in req.messages or ()]
     check_prompt_size(state, engine, texts, engine.n_ctx)
-    root = engine.conversation()
+    root = engine.conversation(cache_salt=req.cache_salt)
     convs = [root]
     tools = req.tools if req.tool_choice != "none" else None
     try:

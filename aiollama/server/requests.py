@@ -40,6 +40,7 @@ class Request:
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = "auto"
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
+    cache_salt: str | None = None  # shares cached cells only with requests of the same salt
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -163,7 +164,7 @@ COMMON_FIELDS = frozenset({
     "model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias", "response_format", "best_of",
     "top_k", "min_p", "repeat_penalty", "grammar", "json_schema", "priority", "ignore_eos", "cache_prompt",
-    "reasoning_budget", "reasoning_budget_message",
+    "reasoning_budget", "reasoning_budget_message", "cache_salt",
     *UNSUPPORTED,
     "user", "metadata",  # informational: they change nothing in the answer
 })
@@ -209,7 +210,11 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
         params["ignore_eos"] = True
     if default_max_tokens is None and "max_tokens" not in params:
         params["max_tokens"] = None  # until the model ends its turn or the context is full
-    return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")), params=params)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+    return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")), params=params,
+                   cache_salt=salt)
 
 
 def completion_request(body: Any) -> Request:
