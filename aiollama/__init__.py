@@ -29,6 +29,7 @@ _EXPORTS = {
     "FinishReason": "aiollama.decoder.outputs",
     "GenerationStats": "aiollama.decoder.outputs",
     "Statistics": "aiollama.decoder.outputs",
+    "TokenLogprob": "aiollama.decoder.outputs",
     "Engine": "aiollama.api.engine",
     "SyncEngine": "aiollama.api.blocking",
     "SamplingParams": "aiollama.sampling",
@@ -115,6 +116,9 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
     )
     from aiollama.decoder.outputs import (
         Statistics as Statistics,
+    )
+    from aiollama.decoder.outputs import (
+        TokenLogprob as TokenLogprob,
     )
     from aiollama.errors import (
         AiollamaError as AiollamaError,

@@ -63,7 +63,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         from aiollama.server import create_app
         from aiollama.server.run import serve
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("starlette", "uvicorn", "prometheus_client"):
+            raise  # a broken install, not a missing extra: say what it is
         print(f"aiollama serve needs the server extra: pip install 'aiollama[server]' ({exc})", file=sys.stderr)
         return 2
     from aiollama.server.guard import Limits, load_keys

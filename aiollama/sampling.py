@@ -65,6 +65,10 @@ class SamplingParams:
     ``reasoning_budget_message`` and the closing marker itself, and the model answers after them.
     0 closes the block at once; None leaves it to the model.
 
+    ``prompt_logprobs`` (0 to 20 alternatives) scores the prompt: the log-probability of each of its
+    tokens after the first, given those before it, computed in the same decode steps as everything
+    else. The prompt is then evaluated whole (no cached prefix has logits).
+
     Every field is checked on creation and a bad one raises ``InvalidRequestError`` (a
     ``ValueError``) naming it.
     """
@@ -96,6 +100,7 @@ class SamplingParams:
     priority: int = 0
     reasoning_budget: int | None = None
     reasoning_budget_message: str = ""
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -151,6 +156,8 @@ class SamplingParams:
         integer("priority", self.priority, low=-PRIORITY_LIMIT, high=PRIORITY_LIMIT - 1)
         if self.reasoning_budget is not None:
             integer("reasoning_budget", self.reasoning_budget, low=0, high=2**31 - 1)
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_TOP_LOGPROBS)
         if not isinstance(self.reasoning_budget_message, str):
             raise InvalidRequestError(f"reasoning_budget_message must be a str, got {self.reasoning_budget_message!r}")
 

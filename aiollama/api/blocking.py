@@ -26,7 +26,12 @@ from aiollama.api.conversation import Conversation
 from aiollama.api.engine import Engine, ExecutorFactory
 from aiollama.api.stream import Chunk, Completion, Stream
 from aiollama.config import EngineConfig
-from aiollama.decoder.outputs import FinishReason, GenerationStats, Statistics
+from aiollama.decoder.outputs import (
+    FinishReason,
+    GenerationStats,
+    Statistics,
+    TokenLogprob,
+)
 from aiollama.errors import EngineClosed, EngineDead
 from aiollama.formats.chat import Messages
 
@@ -78,6 +83,10 @@ class SyncStream:
     @property
     def stop_sequence(self) -> str | None:
         return self._stream.stop_sequence
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob]:
+        return self._stream.prompt_logprobs
 
     @property
     def in_thinking(self) -> bool:

@@ -43,7 +43,8 @@ class Chunk:
 class Completion:
     """A whole generation: ``finish_reason`` is EOG, STOP, LENGTH or CANCELLED; ``stats`` says what
     it cost (None when the engine closed under it); ``stop_sequence`` is the stop string that ended
-    it (finish reason STOP). ``reasoning`` is the text of a thinking block
+    it (finish reason STOP). With ``prompt_logprobs``, ``prompt_logprobs`` scores each prompt token
+    after the first. ``reasoning`` is the text of a thinking block
     at its start (see :mod:`aiollama.formats.reasoning`) and ``content`` the rest: all of ``text`` for a
     model that does not think, and what a constraint matched. When the chat turn offered tools,
     ``tool_calls`` are the calls the content makes (see :mod:`aiollama.formats.toolcalls`)."""
@@ -57,6 +58,7 @@ class Completion:
     reasoning: str = ""
     content: str = ""
     stop_sequence: str | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class TokenHistory:
@@ -171,6 +173,7 @@ class Collector:
     tool_names: Collection[str] = field(default_factory=list)  # the tools offered: parse calls at the end
     in_thinking: bool = False  # the prompt opened a thinking block
     stop_sequence: str | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def take(self, item: Item) -> Chunk | None:
         """Record a delta; return the chunk to hand out, or None when there is nothing to show."""
@@ -180,6 +183,7 @@ class Collector:
             self.finish_reason = self.finish_reason or FinishReason.ERROR
             raise delta.error
         self.parts.append(delta.text)
+        self.prompt_logprobs.extend(delta.prompt_logprobs)
         self.tokens.extend(delta.tokens)
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
@@ -201,7 +205,7 @@ class Collector:
         thought, content = reasoning.split(text, inside=self.in_thinking)
         calls = parse(content, self.tool_names)[1] if self.tool_names else []
         return Completion(text, list(self.tokens), self.finish_reason or FinishReason.CANCELLED, self.stats,
-                          list(self.logprobs), calls, thought, content, self.stop_sequence)
+                          list(self.logprobs), calls, thought, content, self.stop_sequence, list(self.prompt_logprobs))
 
 
 class StreamBase:
@@ -254,6 +258,12 @@ class StreamBase:
     def stop_sequence(self) -> str | None:
         """The stop string that ended the generation (finish reason STOP), else None."""
         return self._result.stop_sequence
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob]:
+        """With ``prompt_logprobs``: each prompt token after the first, scored, as far as the
+        stream has been read (all of them once its first chunk is)."""
+        return self._result.prompt_logprobs
 
     def __del__(self) -> None:
         # Breaking out of a loop drops the stream: end its generation within a step. This only

@@ -28,7 +28,7 @@ from aiollama.formats.text import TextAssembler
 from aiollama.sampling import SamplingParams
 from aiollama.sched.scheduler import Scheduler
 from aiollama.sched.sequence import SeqState
-from aiollama.sched.step import Sampled, StepResult
+from aiollama.sched.step import Sampled, Scored, StepResult
 
 
 @dataclass(eq=False)
@@ -45,6 +45,8 @@ class Generation:
     first_at: float = 0.0  # when its first token came (0: not yet)
     decode_steps: int = 0
     stepped_at: float = 0.0  # the step that last gave it tokens
+    scored: int = 0  # prompt scoring: positions whose following token's log-probability was sent
+    score_end: int = 0  # ... up to here (the prompt's length less one); 0: no scoring
 
 
 def stats_of(seq: SeqState, gen: Generation | None = None) -> GenerationStats:
@@ -82,11 +84,14 @@ class Generations:
         return list(self._gens)
 
     def start(self, conv: int, params: SamplingParams, sink: Sink, *, shifts: bool = False,
-              dropped: tuple[int, int] | None = None, guide: int | None = None, created: float = 0.0) -> None:
+              dropped: tuple[int, int] | None = None, guide: int | None = None, created: float = 0.0,
+              prompt: int = 0) -> None:
         """A generation begins; ``dropped``: the context shift its start made (told to its stream);
-        ``guide``: the conversation that guides it (its prompts wait for this generation too)."""
+        ``guide``: the conversation that guides it (its prompts wait for this generation too);
+        ``prompt``: the history's length, whose tokens are scored when the parameters ask."""
         self._gens[conv] = Generation(params, sink, TextAssembler(params.stop), shifts, guide=guide,
-                                      created=created or time.perf_counter())
+                                      created=created or time.perf_counter(),
+                                      score_end=prompt - 1 if params.prompt_logprobs is not None else 0)
         if guide is not None:
             self._guides[guide] = conv
         if dropped is not None:
@@ -124,6 +129,8 @@ class Generations:
         many of its sampled tokens came after its end (a draft taken past a stop): the scheduler
         must drop those from the history."""
         ended: dict[int, int] = {}
+        for conv, rows in result.scored.items():
+            self._scored(conv, rows)
         left = collections.Counter(sampled.conv for sampled in result.sampled)
         now = time.perf_counter()
         for sampled in result.sampled:
@@ -144,6 +151,18 @@ class Generations:
                 ended[conv] = 0
             self.outbox.emit(gen.sink, delta)
         return ended
+
+    def _scored(self, conv: int, rows: tuple[Scored, ...]) -> None:
+        """Scored prompt rows, each position once and in order (a preempted prompt is evaluated
+        again), become a delta of prompt log-probabilities."""
+        gen = self._gens.get(conv)
+        if gen is None:
+            return
+        fresh = tuple(TokenLogprob(token, logprob, top, rank) for pos, token, logprob, top, rank in rows
+                      if gen.scored <= pos < gen.score_end)
+        if fresh:
+            gen.scored += len(fresh)
+            self.outbox.emit(gen.sink, Delta(prompt_logprobs=fresh))
 
     def _next(self, gen: Generation, sampled: Sampled, history_len: int) -> Delta:
         gen.n_generated += 1

@@ -127,7 +127,7 @@ class Handlers:
                                          guidance=None if guide is None else (guide, command.guidance_scale))
             try:
                 dropped = self.core.scheduler.submit(conv, n_keep if shifts else None, draft, priority=params.priority,
-                                                guide=guide)
+                                                guide=guide, score=params.prompt_logprobs is not None)
             except BaseException:
                 self.core.executor.stop_sampling(conv)
                 raise
@@ -136,7 +136,7 @@ class Handlers:
             self.core.outbox.emit(command.sink, Delta(error=exc))
             return
         self.core.generations.start(conv, params, command.sink, shifts=shifts, dropped=dropped, guide=guide,
-                               created=command.created)
+                               created=command.created, prompt=len(self.core.scheduler.get(conv).tokens))
 
     def _check_guide(self, conv: int, guide: int) -> None:
         if guide not in self.core.scheduler:

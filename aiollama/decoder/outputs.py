@@ -70,6 +70,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # a scored prompt token's rank in its row (1: the most likely)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Delta:
     stats: GenerationStats | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     stop: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # scored prompt tokens (the second on), in order
 
 
 @dataclass(frozen=True)

@@ -174,8 +174,12 @@ class NativeExecutor:
         outputs: list[tuple[int, int]] = []
         drafts: list[tuple[int, Slice]] = []  # (index in outputs, slice)
         self.sampling.guide_rows.clear()
+        scoring: list[tuple[Slice, int]] = []  # (a slice scoring the prompt, the row of its last token)
         for s in slices:
-            last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits, n_outputs=s.draft + s.logits)
+            n_outputs = len(s.tokens) if s.score else s.draft + s.logits
+            last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits, n_outputs=n_outputs)
+            if s.score:
+                scoring.append((s, last))
             if s.logits:
                 if s.conv not in self.sampling:
                     self.sampling.guide_rows[s.conv] = last  # a guiding sequence's row, no draft
@@ -197,8 +201,9 @@ class NativeExecutor:
             if drafts:
                 chosen = self._verify(chosen, outputs, drafts, failed)
             sampled = tuple(x for got in chosen for x in got)
+            scored = {s.conv: self.sampling.score(s, last) for s, last in scoring}
             return StepResult(StepStatus.OK, sampled, decode_seconds=elapsed, parked=parked, restored=restored,
-                              failed=failed, drafted=drafted)
+                              failed=failed, drafted=drafted, scored=scored)
         if status is DecodeStatus.NO_KV_SLOT:
             return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, parked=parked, restored=restored)
         # ABORTED and failures keep the ubatches computed before them: say what the context holds

@@ -17,7 +17,7 @@ from aiollama.formats.constraints import Masks
 from aiollama.native import Context, SamplerChain, Vocab, available_cpus, sample_rows
 from aiollama.native.sampler import DEFAULT_SEED, attach
 from aiollama.sampling import LogitsProcessor, SamplingParams
-from aiollama.sched.step import Sampled, Slice
+from aiollama.sched.step import Sampled, Scored, Slice
 
 
 def build_chain(vocab: Vocab, params: SamplingParams, history: Sequence[int]) -> SamplerChain:
@@ -66,6 +66,7 @@ class _Sampler:
     scale: float = 1.0
     in_graph: bool = False  # the chain was attached for backend sampling once (it cannot be again)
     budget: reasoning.Budget | None = None  # the thinking budget, which may force tokens
+    score_top: int = 0  # the alternatives each scored prompt token comes with
 
     @property
     def reads_row(self) -> bool:
@@ -143,7 +144,7 @@ class Sampling:
         guide, scale = guidance if guidance is not None else (None, 1.0)
         self._streams[conv] = _Sampler(build_chain(self.vocab, params, history), matcher, top, processors,
                                         list(history) if processors else None, guide, scale,
-                                        budget=self._budget(params, history))
+                                        budget=self._budget(params, history), score_top=params.prompt_logprobs or 0)
 
     def _budget(self, params: SamplingParams, history: Sequence[int]) -> reasoning.Budget | None:
         if params.reasoning_budget is None:
@@ -182,7 +183,8 @@ class Sampling:
             if not s.logits:
                 continue
             sampler = self._streams.get(s.conv)
-            eligible = sampler is not None and not s.draft and not sampler.reads_row and sampler.chain.backend_capable
+            eligible = sampler is not None and not s.draft and not s.score and not sampler.reads_row \
+                and sampler.chain.backend_capable
             have = self._attached.get(s.seq_id)
             if eligible and have == s.conv:
                 continue
@@ -226,6 +228,21 @@ class Sampling:
         for (i, sampler, _, read), token in zip(picked, tokens):
             chosen[i] = [self._sampled(outputs[i][0], sampler, token, read)]
         return chosen
+
+    def score(self, s: Slice, last: int) -> tuple[Scored, ...]:
+        """Each row of a slice that scores its prompt: the log-probability of the token after it,
+        and the most likely alternatives. The row of the history's last token is sampled, not scored."""
+        sampler = self._streams.get(s.conv)
+        k = sampler.score_top if sampler is not None else 0
+        first = last - len(s.tokens) + 1
+        out: list[Scored] = []
+        for i in range(min(len(s.tokens), len(s.history) - 1 - s.pos)):
+            following = s.history[s.pos + i + 1]
+            logits = np.frombuffer(self.ctx.logits_buffer(first + i), dtype=np.float32)
+            lse, top = logprobs_of(logits, k)
+            rank = int(np.count_nonzero(logits > logits[following])) + 1
+            out.append((s.pos + i, following, float(logits[following]) - lse, tuple(top), rank))
+        return tuple(out)
 
     def _mask_threads(self) -> int:
         """The CPUs the decode leaves free for computing masks (all of them when a GPU decodes)."""

@@ -91,12 +91,13 @@ class Scheduler(Queues):
         self.idle_trims = 0  # idle holders that gave their cells back so running streams stay fast
 
     def submit(self, conv: int, n_keep: int | None = None, draft: int = 0, *, priority: int = 0,
-               guide: int | None = None) -> tuple[int, int] | None:
+               guide: int | None = None, score: bool = False) -> tuple[int, int] | None:
         """The conversation wants to generate. With ``n_keep`` (a context-shift policy) a history too
         long for the context loses part of what follows its first ``n_keep`` tokens, and this
         returns ``(n_keep, n_dropped)``; without, it raises ContextFull. ``draft`` > 0: decode
         steps carry n-gram drafts of up to that many tokens. ``guide``: a conversation decoded in
-        lockstep with this one (classifier-free guidance), which gets every sampled token too."""
+        lockstep with this one (classifier-free guidance), which gets every sampled token too.
+        ``score``: the prompt is evaluated whole, with every row's logits (prompt log-probabilities)."""
         seq = self._seqs[conv]
         partner = None if guide is None else self._seqs[guide]
         _check_submit(seq, partner, n_keep, self.n_ctx)
@@ -110,7 +111,7 @@ class Scheduler(Queues):
         seq.n_keep = n_keep
         seq.draft = DraftLength(draft) if draft > 0 and partner is None else None
         seq.prompt_tokens, seq.cached_tokens, seq.preemptions, seq.restores = -1, 0, 0, 0
-        seq.prompt_evaluated = 0
+        seq.prompt_evaluated, seq.score = 0, score
         seq.priority, seq.queued_at, seq.preempted = priority, self._clock(), False
         for s in (seq, partner) if partner is not None else (seq,):
             s.phase = Phase.WAITING
@@ -212,10 +213,13 @@ class Scheduler(Queues):
                 s.started = started
                 self._running.append(s)
                 self._admitted.append(s.conv)
-                if s.pending <= 0:
+                if s.score:
+                    self.kv.truncate(s, 0)  # a cached prefix has no logits: score the prompt whole
+                elif s.pending <= 0:
                     # everything is cached, but sampling needs the last token's logits: evaluate it again
                     self.kv.truncate(s, len(s.tokens) - 1)
-                share_prefix(self.kv, s, self._running)
+                if not s.score:
+                    share_prefix(self.kv, s, self._running)
                 self.cache_hit_tokens += s.n_cached
                 s.prompt_evaluated += s.pending
                 if s.prompt_tokens < 0:
@@ -253,7 +257,8 @@ class Scheduler(Queues):
                 pos = seq.n_cached
                 take = min(seq.pending, budget)
                 slices.append(Slice(seq.conv, seq.seq_id, pos, tuple(seq.tokens[pos:pos + take]),
-                                    take == seq.pending))
+                                    take == seq.pending, history=seq.tokens if seq.score else (),
+                                    score=seq.score))
                 budget -= take
         return slices
 

@@ -105,6 +105,8 @@ class Slice:
     # tokens ending with the pending one (the scheduler's own list, not copied: valid during the step)
     model_draft: int = 0
     history: Sequence[int] = field(default=(), compare=False, repr=False)
+    # ``score``: logits for every token, to score the prompt (``history`` holds the tokens after it)
+    score: bool = False
 
     @property
     def cells(self) -> int:
@@ -160,6 +162,9 @@ class Sampled:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
+Scored = tuple[int, int, float, tuple[tuple[int, float], ...], int]  # ..., and the token's rank
+
+
 @dataclass(frozen=True)
 class StepResult:
     status: StepStatus
@@ -171,6 +176,8 @@ class StepResult:
     restored: Mapping[int, bool] = field(default_factory=dict)  # Restore seq id -> whether it fit
     failed: Mapping[int, BaseException] = field(default_factory=dict)  # conv -> why its row gave no token
     drafted: Mapping[int, int] = field(default_factory=dict)  # conv -> tokens the draft model offered
+    # conv -> (position, the token after it, its log-probability, the top alternatives, its rank) of scored rows
+    scored: Mapping[int, tuple[Scored, ...]] = field(default_factory=dict)
 
 
 class Executor(Protocol):

@@ -16,7 +16,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from aiollama import Chunk, Conversation, Stream
+from aiollama import Chunk, Conversation, Stream, TokenLogprob
 from aiollama.errors import (
     AiollamaError,
 )
@@ -28,7 +28,7 @@ from aiollama.server.requests import (
     chat_request,
     completion_request,
 )
-from aiollama.server.shape import ChatChoice, TextChoice
+from aiollama.server.shape import ChatChoice, TextChoice, prompt_logprobs
 from aiollama.server.state import (
     State,
     check_prompt_size,
@@ -73,6 +73,7 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
     check_prompt_size(state, engine, texts, engine.n_ctx)
     root = engine.conversation(cache_salt=req.cache_salt)
     convs = [root]
+    echo: tuple[str, list[int]] | None = None
     tools = req.tools if req.tool_choice != "none" else None
     try:
         if tools:
@@ -92,6 +93,8 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
             assert tokens is not None
             root.prompt(tokens)
             n_prompt = len(tokens)
+            if req.echo:
+                echo = (req.prompt if isinstance(req.prompt, str) else engine.detokenize(tokens), list(tokens))
         if req.n > 1:
             convs = [root.fork() for _ in range(req.n)]  # the choices share the prompt's cells
         streams = []
@@ -111,10 +114,15 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
     prefix = "chatcmpl-" if chat else "cmpl-"
     choices: list[ChatChoice | TextChoice] = [
         ChatChoice(i, names if tools else [], engine.token_bytes, in_thinking=stream.in_thinking) if chat
-        else TextChoice(i, engine.token_bytes)
+        else TextChoice(i, engine.token_bytes, echo=echo,
+                        scored=_scored(stream) if req.params.get("logprobs") else None)
         for i, stream in enumerate(streams)]
     return _Job(prefix + uuid.uuid4().hex, chat, state.name(), int(time.time()), n_prompt, convs, streams,
                 time.perf_counter(), choices)
+
+
+def _scored(stream: Stream) -> Callable[[], list[TokenLogprob]]:
+    return lambda: stream.prompt_logprobs
 
 
 Item = tuple[int, Chunk | AiollamaError | None]
@@ -216,9 +224,17 @@ async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -
     if not finished:
         return Response(status_code=499)  # the client went away; nobody reads this
     choices = [choice.message(job.streams[i].finish_reason) for i, choice in enumerate(job.choices)]
-    return JSONResponse({"id": job.id, "object": "chat.completion" if chat else "text_completion",
-                         "created": job.created, "model": job.model, "choices": choices,
-                         "usage": _usage(job, completion_tokens)})
+    body: dict[str, Any] = {"id": job.id, "object": "chat.completion" if chat else "text_completion", "created": job.created,
+            "model": job.model, "choices": choices, "usage": _usage(job, completion_tokens)}
+    if req.prompt_logprobs is not None:  # vLLM's place: beside the choices for chat, in each for completions
+        scored = [prompt_logprobs(s.prompt_logprobs, job.choices[0].token_bytes, req.prompt_logprobs)
+                  for s in job.streams]
+        if chat:
+            body["prompt_logprobs"] = scored[0]
+        else:
+            for choice, rows in zip(choices, scored):
+                choice["prompt_logprobs"] = rows
+    return JSONResponse(body)
 
 
 def _observe_whole(state: State, job: _Job, stream: Stream, n_tokens: int) -> None:

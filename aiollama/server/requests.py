@@ -41,6 +41,8 @@ class Request:
     tool_choice: Any = "auto"
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
     cache_salt: str | None = None  # shares cached cells only with requests of the same salt
+    echo: bool = False  # legacy completions: the prompt comes back before the completion
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's tokens scored, in the response
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -157,18 +159,18 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     raise BadRequest("response_format.type must be 'text', 'json_object' or 'json_schema'", param="response_format")
 
 
-UNSUPPORTED = ("functions", "echo", "suffix")  # refused rather than ignored: the answer would differ
+UNSUPPORTED = ("functions", "suffix")  # refused rather than ignored: the answer would differ
 
 # The fields each endpoint reads. Any other field is refused with a 400 naming it, never dropped.
 COMMON_FIELDS = frozenset({
     "model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias", "response_format", "best_of",
     "top_k", "min_p", "repeat_penalty", "grammar", "json_schema", "priority", "ignore_eos", "cache_prompt",
-    "reasoning_budget", "reasoning_budget_message", "cache_salt",
+    "reasoning_budget", "reasoning_budget_message", "cache_salt", "prompt_logprobs",
     *UNSUPPORTED,
     "user", "metadata",  # informational: they change nothing in the answer
 })
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                                "chat_template_kwargs", "reasoning_effort"}
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
@@ -213,8 +215,14 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+    scored = _integer(body, "prompt_logprobs", 0, 20)
+    if scored is not None:
+        if stream:
+            raise BadRequest("'prompt_logprobs' is given on responses that are not streamed", param="prompt_logprobs",
+                             code="unsupported_parameter")
+        params["prompt_logprobs"] = scored
     return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")), params=params,
-                   cache_salt=salt)
+                   cache_salt=salt, prompt_logprobs=scored)
 
 
 def completion_request(body: Any) -> Request:
@@ -224,6 +232,12 @@ def completion_request(body: Any) -> Request:
     logprobs = _integer(body, "logprobs", 0, 20)  # the legacy API: how many alternatives
     if logprobs is not None:
         request.params.update(logprobs=True, top_logprobs=logprobs)
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest("'echo' must be a boolean", param="echo")
+    request.echo = echo
+    if echo and logprobs is not None:  # the prompt's tokens get log-probabilities too
+        request.params["prompt_logprobs"] = max(logprobs, request.prompt_logprobs or 0)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one

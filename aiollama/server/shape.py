@@ -27,17 +27,35 @@ def chat_logprobs(chunk_logprobs: list[Any], token_bytes: TokenBytes) -> list[di
 
 
 def completion_logprobs(chunk_logprobs: list[Any], token_bytes: TokenBytes, offset: int) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object for some tokens, their text starting at ``offset``."""
+    """The legacy completions ``logprobs`` object for some tokens, their text starting at ``offset``;
+    an entry of None (an echoed prompt's first token, which nothing scores) has its token's text
+    and null log-probabilities."""
     tokens, offsets = [], []
     for lp in chunk_logprobs:
-        text = token_bytes(lp.token).decode("utf-8", "replace")
+        text = token_bytes(lp.token if not isinstance(lp, int) else lp).decode("utf-8", "replace")
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in chunk_logprobs],
-            "top_logprobs": [{token_bytes(t).decode("utf-8", "replace"): p for t, p in lp.top}
+    return {"tokens": tokens, "token_logprobs": [None if isinstance(lp, int) else lp.logprob for lp in chunk_logprobs],
+            "top_logprobs": [None if isinstance(lp, int) else {token_bytes(t).decode("utf-8", "replace"): p
+                                                               for t, p in lp.top}
                              for lp in chunk_logprobs],
             "text_offset": offsets}
+
+
+def prompt_logprobs(scored: list[Any], token_bytes: TokenBytes, k: int) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each one a map of token
+    ids (as strings) to ``logprob``, ``rank`` and ``decoded_token``: the token itself and the ``k``
+    most likely alternatives."""
+    def entry(token: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_bytes(token).decode("utf-8", "replace")}
+
+    out: list[dict[str, Any] | None] = [None]
+    for lp in scored:
+        row = {str(t): entry(t, p, i + 1) for i, (t, p) in enumerate(lp.top[:k])}
+        row[str(lp.token)] = entry(lp.token, lp.logprob, lp.rank)
+        out.append(row)
+    return out
 
 
 class ChatChoice:
@@ -118,15 +136,33 @@ class ChatChoice:
 
 
 class TextChoice:
-    """One legacy completion choice: text, and log-probabilities in the legacy shape."""
+    """One legacy completion choice: text, and log-probabilities in the legacy shape. With ``echo``
+    (the prompt's text and tokens) the prompt comes first, and with log-probabilities asked
+    (``scored``: the stream's scored prompt tokens, complete once its first chunk is read) its
+    tokens have theirs, the first one's null."""
 
-    def __init__(self, index: int, token_bytes: TokenBytes) -> None:
+    def __init__(self, index: int, token_bytes: TokenBytes, *, echo: tuple[str, list[int]] | None = None,
+                 scored: Callable[[], list[Any]] | None = None) -> None:
         self.index = index
         self.token_bytes = token_bytes
         self.text = ""
         self.logprobs: list[Any] = []
+        self.echo = echo
+        self.scored = scored
+
+    def _echoed(self, chunk: Chunk) -> Chunk:
+        """``chunk`` with the prompt before it, the first time."""
+        if self.echo is None:
+            return chunk
+        text, tokens = self.echo
+        self.echo = None
+        logprobs: list[Any] = list(chunk.logprobs)
+        if self.scored is not None:
+            logprobs = [tokens[0], *self.scored(), *chunk.logprobs]
+        return Chunk(text + chunk.text, tokens + chunk.tokens, chunk.finish_reason, chunk.stats, logprobs)
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
+        chunk = self._echoed(chunk)
         offset = len(self.text)
         self.text += chunk.text
         self.logprobs += chunk.logprobs
@@ -136,10 +172,13 @@ class TextChoice:
         return [{"index": self.index, "text": chunk.text, "logprobs": lp, "finish_reason": None}]
 
     def finish(self, reason: FinishReason | None) -> list[dict[str, Any]]:
-        return [{"index": self.index, "text": "", "logprobs": None,
-                 "finish_reason": FINISH.get(reason or FinishReason.EOG, "stop")}]
+        out = self.feed(Chunk("", [])) if self.echo is not None else []  # nothing was generated
+        return out + [{"index": self.index, "text": "", "logprobs": None,
+                       "finish_reason": FINISH.get(reason or FinishReason.EOG, "stop")}]
 
     def message(self, reason: FinishReason | None) -> dict[str, Any]:
+        if self.echo is not None:
+            self.feed(Chunk("", []))
         lp = completion_logprobs(self.logprobs, self.token_bytes, 0) if self.logprobs else None
         return {"index": self.index, "text": self.text, "logprobs": lp,
                 "finish_reason": FINISH.get(reason or FinishReason.EOG, "stop")}
