@@ -187,10 +187,11 @@ def ratio(a: list[float]) -> float:
 
 def report(r: dict[str, Any]) -> str:
     lines = [f"Measured {r['date']} on {r['machine']['cpu']} ({r['machine']['cpus']} CPUs), "
-             f"{r['threads']} threads; every round {PROMPT}-token distinct prompts, temperature 0.7, EOG ignored.",
-             "", "**Rounds on one warm engine / one llama-server process** (tokens/s per round; last/first)", "",
-             "| model | streams x tokens | contender | rounds | last/first | last vs llama-server |",
-             "|---|---|---|---|---:|---:|"]
+             f"{r['threads']} threads; every round {PROMPT}-token distinct prompts, temperature 0.7, EOG ignored."]
+    if r["rounds"]:
+        lines += ["", "**Rounds on one warm engine / one llama-server process** (tokens/s per round; last/first)", "",
+                  "| model | streams x tokens | contender | rounds | last/first | last vs llama-server |",
+                  "|---|---|---|---|---:|---:|"]
     for key, res in r["rounds"].items():
         model, n, new = key.split("|")
         server_last = res.get("llama_server", [0.0])[-1]
@@ -203,7 +204,8 @@ def report(r: dict[str, Any]) -> str:
                          f"{ratio(v):.2f} | {vs} |")
     if r.get("arrivals"):
         lines += ["", f"**Continuous arrivals**: {CLIENTS} clients, one request after another, {ARRIVAL_TOKENS} tokens "
-                  f"each (EOG banned), SmolLM2; tokens/s per {r['window']:.0f}-s window", "",
+                  f"each (EOG banned), SmolLM2; tokens/s per {r['window']:.0f}-s window (each request's tokens "
+                  "shared among the windows it spanned)", "",
                   "| server | " + " | ".join(f"window {i + 1}" for i in range(r["windows"])) + " | last/first |",
                   "|---|" + "---:|" * (r["windows"] + 1)]
         for name, v in r["arrivals"].items():
