@@ -13,15 +13,16 @@ Blocks this server cannot read (images, documents, server tools) are refused.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiollama.server.requests import (
     MAX_STOP,
-    MAX_TOOLS,
     BadRequest,
     common_request,
     json_object,
+    tool_list,
 )
 
 INFORMATIONAL = ("metadata", "service_tier", "inference_geo", "user_profile_id", "workspace_id")  # change nothing here
@@ -51,7 +52,7 @@ def messages_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
     if not isinstance(body.get("model"), str):
         raise BadRequest("'model' must be a string", param="model")
     messages = _system(body.get("system")) + _messages(body.get("messages"))
-    tools = _tools(body.get("tools"))
+    tools = tool_list(body.get("tools"), _tool)
     choice = _tool_choice(body.get("tool_choice"), tools)
     thinking, budget, show = _thinking(body.get("thinking"))
     schema, effort = _output_config(body.get("output_config"))
@@ -129,11 +130,15 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _blocks(blocks: list[Any], where: str) -> Iterator[tuple[Any, Any, str]]:
+    """(type, block, where it is) of each content block."""
+    for i, block in enumerate(blocks):
+        yield (block.get("type") if isinstance(block, dict) else None), block, f"{where}[{i}]"
+
+
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     results, texts = [], []
-    for i, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        at = f"{where}[{i}]"
+    for kind, block, at in _blocks(blocks, where):
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
@@ -152,9 +157,7 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
 
 def _assistant(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     texts, calls = [], []
-    for i, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        at = f"{where}[{i}]"
+    for kind, block, at in _blocks(blocks, where):
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         elif kind == "tool_use" and isinstance(block.get("id"), str) and isinstance(block.get("name"), str) \
@@ -172,25 +175,19 @@ def _assistant(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     return [message]
 
 
-def _tools(value: Any) -> list[dict[str, Any]] | None:
-    if value is None or value == []:
-        return None
-    if not isinstance(value, list) or len(value) > MAX_TOOLS:
-        raise BadRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
-    out = []
-    for i, tool in enumerate(value):
-        ok = isinstance(tool, dict) and tool.get("type", "custom") == "custom" and isinstance(tool.get("name"), str) \
-            and isinstance(tool.get("input_schema"), dict)
-        if not ok:
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise BadRequest(f"tools[{i}]: only client tools ({{'name', 'input_schema'}}) are supported"
-                             + (f", not {kind!r}" if kind not in (None, "custom") else ""),
-                             param=f"tools[{i}]", code="unsupported_parameter")
-        function = {"name": tool["name"], "parameters": tool["input_schema"]}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
-    return out
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    """A client tool in the chat shape."""
+    ok = isinstance(tool, dict) and tool.get("type", "custom") == "custom" and isinstance(tool.get("name"), str) \
+        and isinstance(tool.get("input_schema"), dict)
+    if not ok:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise BadRequest(f"tools[{i}]: only client tools ({{'name', 'input_schema'}}) are supported"
+                         + (f", not {kind!r}" if kind not in (None, "custom") else ""),
+                         param=f"tools[{i}]", code="unsupported_parameter")
+    function = {"name": tool["name"], "parameters": tool["input_schema"]}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +176,16 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools", 
                                "chat_template_kwargs", "reasoning_effort"}
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 MAX_TOOLS = 128
+
+
+def tool_list(value: Any, convert: Callable[[int, Any], dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """A request's tools in the chat shape (None for none): a list of at most ``MAX_TOOLS``, each
+    made by ``convert(index, tool)``, which raises BadRequest for one it cannot take."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise BadRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
+    return [convert(i, tool) for i, tool in enumerate(value)]
 
 
 def json_object(body: Any, known: frozenset[str]) -> dict[str, Any]:

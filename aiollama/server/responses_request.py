@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiollama.server.requests import MAX_TOOLS, BadRequest, common_request, json_object
+from aiollama.server.requests import BadRequest, common_request, json_object, tool_list
 
 RESPONSE_FIELDS = frozenset({
     "model", "input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
@@ -65,7 +65,7 @@ def responses_request(body: Any) -> ResponsesRequest:
     if instructions is not None and not isinstance(instructions, str):
         raise BadRequest("'instructions' must be a string", param="instructions")
     messages = input_messages(body.get("input"))
-    tools = _tools(body.get("tools"))
+    tools = tool_list(body.get("tools"), _tool)
     choice = body.get("tool_choice", "auto")
     if isinstance(choice, dict) and choice.get("type") == "function":
         choice = {"type": "function", "function": {"name": choice.get("name")}}
@@ -114,17 +114,11 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(value: Any) -> list[dict[str, Any]] | None:
-    if value is None or value == []:
-        return None
-    if not isinstance(value, list) or len(value) > MAX_TOOLS:
-        raise BadRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
-    out = []
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise BadRequest(f"tools[{i}]: only function tools ({{'type': 'function', 'name': ...}}) are "
-                             f"supported, not {kind!r}", param=f"tools[{i}]", code="unsupported_parameter")
-        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-        out.append({"type": "function", "function": function})
-    return out
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    """A flat function tool in the chat shape."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise BadRequest(f"tools[{i}]: only function tools ({{'type': 'function', 'name': ...}}) are "
+                         f"supported, not {kind!r}", param=f"tools[{i}]", code="unsupported_parameter")
+    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
