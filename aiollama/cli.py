@@ -82,13 +82,17 @@ def _serve(args: argparse.Namespace) -> int:
                   "requests); put the replicas behind a gateway that checks keys", file=sys.stderr)
             return 2
         return _serve_replicas(args)
+    if args.reasoning_budget is not None and args.reasoning_budget < 0:
+        print("aiollama serve: --reasoning-budget must be >= 0", file=sys.stderr)
+        return 2
     app = create_app(args.model, model_name=args.model_name, api_keys=keys, limits=limits,
                      public_metrics=args.public_metrics, n_ctx=serve_n_ctx(args), n_seq_max=args.n_seq_max,
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                      host_cache_bytes=args.host_cache_mib << 20, draft_tokens=args.draft_tokens,
                      draft_model=args.draft_model, deterministic=args.deterministic,
                      backend_sampling=args.backend_sampling, kv_unified=args.unified_cache,
-                     cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, flash_attn=args.flash_attn)
+                     cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, flash_attn=args.flash_attn,
+                     reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
 
@@ -252,6 +256,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int, default=1,
                        help="engines behind this endpoint, as Ray Serve replicas on this machine (needs aiollama[ray])")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")
+    serve.add_argument("--reasoning-budget", type=int, default=None,
+                       help="tokens a thinking block may run before the server closes it, for requests that give "
+                            "no reasoning_budget (0: no thinking)")
+    serve.add_argument("--reasoning-budget-message", default="",
+                       help="written before the closing marker when the budget ends a thinking block")
     serve.add_argument("--log-level", default="info")
 
     bench = sub.add_parser("bench", help="the benchmarks (from a source checkout)")

@@ -180,3 +180,23 @@ async def test_thinking_blocks_the_switch_and_the_budget_in_both_apis(smollm2_pa
     assert [b.type for b in budgeted.content] == ["thinking", "text"]
     assert deltas[0] == "thinking_delta" and deltas[-1] == "text_delta"
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in budgeted.content]
+
+
+async def test_the_servers_reasoning_budget_applies_where_a_request_gives_none(smollm2_path: Path) -> None:
+    model = reasoning_model(aiollama.cache_dir() / "test-models", smollm2_path)
+    s = Server(model, "--n-ctx", "2048", "--n-seq-max", "2", "--model-name", "r", "--log-level", "warning",
+               "--reasoning-budget", "2", "--reasoning-budget-message", "Enough.")
+    try:
+        async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT) as oc:
+            bounded = await oc.chat.completions.create(model="r", messages=HELLO, max_tokens=24, temperature=0)
+            longer = await oc.chat.completions.create(model="r", messages=HELLO, max_tokens=24, temperature=0,
+                                                      extra_body={"reasoning_budget": 16})
+        async with client(s) as c:  # Messages' budget_tokens overrides it too
+            own = await c.messages.create(model="r", max_tokens=24, messages=HELLO, extra_body=GREEDY,
+                                          thinking={"type": "enabled", "budget_tokens": 16})
+    finally:
+        s.stop()
+    thought = bounded.choices[0].message.model_extra["reasoning_content"]
+    assert thought.endswith("Enough.") and bounded.choices[0].message.content
+    assert len(longer.choices[0].message.model_extra["reasoning_content"]) > len(thought)
+    assert len(own.content[0].thinking) > len(thought)  # its own budget, the server's message

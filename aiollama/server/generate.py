@@ -99,7 +99,7 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
             convs = [root.fork() for _ in range(req.n)]  # the choices share the prompt's cells
         streams = []
         for i, conv in enumerate(convs):
-            params = dict(req.params)
+            params = state.params(req.params)
             if "seed" in params:
                 params["seed"] = seed_for(params["seed"], i)
             streams.append(conv.stream(**params))

@@ -154,7 +154,7 @@ def _start(state: State, req: MessagesRequest) -> Reply:
     conv = engine.conversation()
     try:
         stream = conv.chat(req.messages, tools=req.tools, tool_choice=req.tool_choice,
-                           chat_template_kwargs=template_kwargs(engine, req), **req.params)
+                           chat_template_kwargs=template_kwargs(engine, req), **state.params(req.params))
     except BaseException as exc:
         conv.close_nowait()
         if isinstance(exc, AiollamaError):

@@ -156,7 +156,7 @@ def _start(state: State, req: ResponsesRequest) -> Turn:
     else:
         conv = engine.conversation()
     try:
-        stream = conv.chat(messages, tools=req.tools, tool_choice=req.tool_choice, **req.params)
+        stream = conv.chat(messages, tools=req.tools, tool_choice=req.tool_choice, **state.params(req.params))
     except BaseException as exc:
         conv.close_nowait()
         if isinstance(exc, AiollamaError):

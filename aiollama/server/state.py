@@ -34,6 +34,7 @@ class State:
     guard: Guard = field(default_factory=Guard)
     responses: ResponseStore = field(default_factory=ResponseStore)
     longest_piece: int = 0  # the most bytes one token stands for (0: not looked up yet)
+    defaults: dict[str, Any] = field(default_factory=dict)  # stream parameters a request may override
     metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +50,10 @@ class State:
         this app owns; an engine the caller owns is left alone."""
         if self.owns_engine and self.engine is not None:
             await self.engine.aclose()
+
+    def params(self, given: dict[str, Any]) -> dict[str, Any]:
+        """A request's stream parameters over the server's defaults (``--reasoning-budget``...)."""
+        return {**self.defaults, **given}
 
     def statistics(self) -> Statistics | None:
         try:
