@@ -100,6 +100,44 @@ def test_streamed_tool_call_after_thinking() -> None:
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
+# gpt-oss's Harmony channels: what the model generates after the template's "<|start|>assistant"
+# (llama.cpp shows <|start|>, <|channel|>, <|message|> and <|constrain|>; <|end|> shows nothing)
+
+HARMONY_ANSWER = "<|channel|>analysis<|message|>Simple geography.<|start|>assistant<|channel|>final<|message|>Paris."
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather tool.<|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}')
+
+
+def test_harmony_channels_split_into_reasoning_and_content() -> None:
+    assert reasoning.split(HARMONY_ANSWER) == ("Simple geography.", "Paris.")
+    assert reasoning.pending("<|channel|>analysis<|message|>Still think") is True
+    assert reasoning.pending("<|chan") is True
+    assert reasoning.pending(HARMONY_ANSWER) is False
+    whole = ChatChoice(0, ["get_weather"], lambda t: b"")
+    whole.feed(Chunk(HARMONY_CALL, [0]))
+    message = whole.message(FinishReason.EOG)
+    assert message["finish_reason"] == "tool_calls" and message["message"]["reasoning_content"] == "Need the weather tool."
+    [call] = message["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    # the template's own form of a call in the history: the recipient before the channel
+    history = '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Bergen"}'
+    assert json.loads(ChatChoice(0, ["get_weather"], lambda t: b"").calls(reasoning.split(history)[1])[0].arguments) \
+        == {"city": "Bergen"}
+
+
+@pytest.mark.parametrize("text", [HARMONY_ANSWER, HARMONY_CALL])
+@pytest.mark.parametrize("size", [1, 4, 9])
+def test_streamed_harmony_never_leaks_markup(text: str, size: int) -> None:
+    deltas = stream_choice(ChatChoice(0, ["get_weather"], lambda t: b""), [text[i:i + size] for i in range(0, len(text), size)])
+    thought, content = joined(deltas, "reasoning_content"), joined(deltas, "content")
+    assert "<|" not in thought and "<|" not in content and "|>" not in thought + content
+    assert thought in ("Simple geography.", "Need the weather tool.")
+    if text is HARMONY_ANSWER:
+        assert content == "Paris." and deltas[-1]["finish_reason"] == "stop"
+    else:
+        assert content == "" and deltas[-1]["finish_reason"] == "tool_calls"
+
+
 # constraints start after the thinking block
 
 

@@ -4,14 +4,17 @@ Reasoning models (Qwen3, DeepSeek-R1 and their kin) think between ``<think>`` an
 before they answer. Some templates open the block in the generation prompt, so the generated text
 starts inside it and only the closing marker appears; :func:`opened` tells that case from the
 prompt's end. :func:`split` divides generated text into the reasoning and the answer (OpenAI's
-``reasoning_content`` and ``content``, as llama-server and vLLM emit them). A :class:`Budget`
-closes a thinking block that has run for its number of tokens.
+``reasoning_content`` and ``content``, as llama-server and vLLM emit them). gpt-oss's Harmony
+channels are read the same way (:mod:`aiollama.formats.harmony`). A :class:`Budget` closes a
+thinking block that has run for its number of tokens.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+
+from aiollama.formats import harmony
 
 START, END = "<think>", "</think>"
 
@@ -24,7 +27,10 @@ def opened(prompt_tail: str) -> bool:
 def split(text: str, *, inside: bool = False) -> tuple[str, str]:
     """``(reasoning, content)`` of generated text: the thinking block at its start, and the rest.
     ``inside``: the prompt opened the block, so the text starts in it. Text with a closing marker
-    and no opening one is read that way too."""
+    and no opening one is read that way too. Harmony replies: the analysis channel, and the rest."""
+    if harmony.is_harmony(text):
+        thought, content, _ = harmony.split(text)
+        return thought, content
     stripped = text.lstrip()
     if stripped.startswith(START) and not inside:
         stripped = stripped[len(START):]
@@ -39,10 +45,12 @@ def split(text: str, *, inside: bool = False) -> tuple[str, str]:
 def pending(text: str, *, inside: bool = False) -> bool:
     """Whether streamed text is still in its thinking block, or too short to say: hold its
     content back until this is False."""
+    if harmony.is_harmony(text):
+        return harmony.split(text)[2]
     stripped = text.lstrip()
     if inside or stripped.startswith(START):
         return END not in stripped
-    return START.startswith(stripped)
+    return START.startswith(stripped) or harmony.CHANNEL.startswith(stripped)
 
 
 class Budget:

@@ -6,6 +6,8 @@ Models write tool calls in a few formats; :func:`parse` reads them into OpenAI-s
 - Qwen3-Coder, Qwen3.5 and later: ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
   </function></tool_call>``;
 - GLM-4.5 and later: ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>``;
+- gpt-oss (Harmony): a ``commentary`` message ``to=functions.NAME``, which
+  :mod:`aiollama.formats.harmony` writes into the content in the Hermes form;
 - Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
 - Llama 3: ``<|python_tag|>{"name": ..., "parameters": {...}}``, or that JSON alone;
 - plain JSON: an object with ``name`` and ``arguments`` (or ``parameters``), or a list of them,
