@@ -31,6 +31,7 @@ struct llama_vocab;
 struct llama_model;
 struct llama_context;
 struct llama_sampler;
+struct llama_adapter_lora;
 typedef struct llama_memory_i * llama_memory_t;
 
 enum ggml_log_level {
@@ -212,6 +213,10 @@ const char * llama_model_chat_template(const struct llama_model * model, const c
 /* context */
 struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);
 void llama_free(struct llama_context * ctx);
+struct llama_adapter_lora * llama_adapter_lora_init(struct llama_model * model, const char * path_lora);
+void llama_adapter_lora_free(struct llama_adapter_lora * adapter);
+int32_t llama_set_adapters_lora(struct llama_context * ctx, struct llama_adapter_lora ** adapters, size_t n_adapters,
+                                float * scales);
 uint32_t llama_n_ctx(const struct llama_context * ctx);
 uint32_t llama_n_ctx_seq(const struct llama_context * ctx);
 uint32_t llama_n_batch(const struct llama_context * ctx);

@@ -92,9 +92,21 @@ def _serve(args: argparse.Namespace) -> int:
                      draft_model=args.draft_model, deterministic=args.deterministic,
                      backend_sampling=args.backend_sampling, kv_unified=args.unified_cache,
                      cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, flash_attn=args.flash_attn,
-                     reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message)
+                     reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
+                     lora=_adapters(args.lora))
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
+
+
+def _adapters(given: list[str]) -> dict[str, Path]:
+    """``--lora [NAME=]PATH`` options: the name defaults to the file's stem."""
+    out = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = Path(item).stem, item
+        out[name] = Path(path)
+    return out
 
 
 def _serve_replicas(args: argparse.Namespace) -> int:
@@ -256,6 +268,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int, default=1,
                        help="engines behind this endpoint, as Ray Serve replicas on this machine (needs aiollama[ray])")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")
+    serve.add_argument("--lora", action="append", default=[], metavar="[NAME=]PATH",
+                       help="a LoRA adapter to load (repeat for several); requests choose with "
+                            "lora=[{'id' or 'name', 'scale'}] (id: its place among these, from 0)")
     serve.add_argument("--reasoning-budget", type=int, default=None,
                        help="tokens a thinking block may run before the server closes it, for requests that give "
                             "no reasoning_budget (0: no thinking)")

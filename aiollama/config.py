@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,8 @@ class EngineConfig:
     then reads each sequence's own cells instead of passing over everyone's, which is faster with
     many streams; but a conversation holds at most that many tokens, and a fork or a cached prefix
     is copied instead of shared. Not with ``deterministic``.
+    ``lora`` names LoRA adapter files (``{"name": path}``), loaded once; a conversation chooses
+    among them (``engine.conversation(lora={"name": scale})``).
     """
 
     model_path: Path | None = None
@@ -83,6 +86,7 @@ class EngineConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     flash_attn: bool | None = None
+    lora: Mapping[str, Path] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         integer("n_ctx", self.n_ctx, low=1)
@@ -128,6 +132,10 @@ class EngineConfig:
             object.__setattr__(self, "draft_model", Path(self.draft_model))
             if self.draft_tokens == 0:
                 object.__setattr__(self, "draft_tokens", DRAFT_MODEL_TOKENS)
+        if not isinstance(self.lora, Mapping) or not all(
+                isinstance(k, str) and k and isinstance(v, (str, os.PathLike)) for k, v in self.lora.items()):
+            raise InvalidRequestError(f"lora must map names to adapter files, got {self.lora!r}")
+        object.__setattr__(self, "lora", {k: Path(v) for k, v in self.lora.items()})
 
     def context_seq_ids(self, n_vocab: int) -> int:
         """The seq ids of the context: ``n_seq_max`` generating, the rest holding cached prefixes."""

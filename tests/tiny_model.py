@@ -64,7 +64,9 @@ def write_tiny_model(
     n_ff: int = 128,
     n_ctx_train: int = 4096,
     seed: int = 0,
+    deltas: dict[str, np.ndarray] | None = None,
 ) -> Path:
+    """A tiny llama; ``deltas`` are added to the named weights (a LoRA merged into them, say)."""
     fields = copy_tokenizer(tokenizer_source) if tokenizer_source is not None else {}
     n_vocab = len(fields["tokenizer.ggml.tokens"].data) if fields else len(tokenizer["tokenizer.ggml.tokens"])  # type: ignore[index, arg-type]
     head_dim = n_embd // n_head
@@ -88,23 +90,26 @@ def write_tiny_model(
 
     rng = np.random.default_rng(seed)
 
+    def add(name: str, array: np.ndarray) -> None:
+        writer.add_tensor(name, (array + deltas[name]).astype(np.float32) if deltas and name in deltas else array)
+
     def weight(*shape: int, scale: float) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     # numpy shape (rows, cols) is ggml ne = [cols, rows]
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
-    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    add("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    add("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     for i in range(n_layer):
         p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd, scale=0.2))
-        writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd, scale=0.2))
-        writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd, scale=0.2))
-        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim, scale=0.2))
-        writer.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd, scale=0.2))
-        writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd, scale=0.2))
-        writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, scale=0.2))
+        add(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        add(p + "attn_q.weight", weight(n_head * head_dim, n_embd, scale=0.2))
+        add(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd, scale=0.2))
+        add(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd, scale=0.2))
+        add(p + "attn_output.weight", weight(n_embd, n_head * head_dim, scale=0.2))
+        add(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        add(p + "ffn_gate.weight", weight(n_ff, n_embd, scale=0.2))
+        add(p + "ffn_up.weight", weight(n_ff, n_embd, scale=0.2))
+        add(p + "ffn_down.weight", weight(n_embd, n_ff, scale=0.2))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -362,3 +367,32 @@ def reasoning_model(cache: Path, tokenizer_source: Path, *, opens_thinking: bool
         fields["tokenizer.chat_template"] = template
         write_tiny_model(path, None, tokenizer=fields, seed=3)
     return path
+
+
+def write_lora(path: Path, base: Path, *, rank: int = 4, alpha: float = 8.0, seed: int = 7,
+               targets: tuple[str, ...] = ("blk.0.attn_q.weight", "blk.1.ffn_up.weight")) -> dict[str, np.ndarray]:
+    """A LoRA adapter for the tiny model ``base`` (llama.cpp's layout: ``NAME.lora_a`` of ggml
+    shape [n_in, rank], ``NAME.lora_b`` of [rank, n_out], ``adapter.lora.alpha``); returns what it
+    adds to each weight at scale 1 (``alpha / rank * B @ A``), to merge into a model."""
+    reader = GGUFReader(str(base))
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in reader.tensors}
+    rng = np.random.default_rng(seed)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), "llama")
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    deltas = {}
+    for name in targets:
+        n_out, n_in = shapes[name]
+        a = (rng.standard_normal((rank, n_in)) * 0.3).astype(np.float32)
+        b = (rng.standard_normal((n_out, rank)) * 0.3).astype(np.float32)
+        writer.add_tensor(name + ".lora_a", a)
+        writer.add_tensor(name + ".lora_b", b)
+        deltas[name] = (alpha / rank) * (b @ a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, path)
+    return deltas

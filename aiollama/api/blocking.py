@@ -14,7 +14,7 @@ import functools
 import os
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
@@ -238,10 +238,10 @@ class SyncEngine:
             raise EngineClosed("the engine is not started: use 'with', or start it")
         return self._portal_
 
-    def conversation(self, prompt: str | Sequence[int] | None = None, *,
-                     cache_salt: str | None = None) -> SyncConversation:
+    def conversation(self, prompt: str | Sequence[int] | None = None, *, cache_salt: str | None = None,
+                     lora: Mapping[str, float] | None = None) -> SyncConversation:
         return SyncConversation(self._portal, self._portal.call(
-            functools.partial(self._engine.conversation, prompt, cache_salt=cache_salt)))
+            functools.partial(self._engine.conversation, prompt, cache_salt=cache_salt, lora=lora)))
 
     def load(self, path: str | os.PathLike[str]) -> SyncConversation:
         """A saved conversation; see ``Engine.load``."""

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import anyio
 
+from aiollama._validate import number
 from aiollama.api.chat_turns import ChatTurns, tools_as_text
 from aiollama.api.client import EngineClient
 from aiollama.api.conversation import Completion, Conversation
@@ -147,13 +148,17 @@ class _EngineBase:
         """The model's vocabulary size: the length of a logits row."""
         return self._client.tokenizer.n_vocab
 
-    def _new(self, cls: type[Any], prompt: str | Sequence[int] | None, salt: str | None = None) -> Any:
+    def _new(self, cls: type[Any], prompt: str | Sequence[int] | None, salt: str | None = None,
+             lora: Any = None) -> Any:
         client = self._client
         client.check()
         if client.owner is not None:
             client.check_loop()
+        if salt is not None and not isinstance(salt, str):
+            raise InvalidRequestError(f"cache_salt must be a str, got {salt!r}")
+        adapters = lora_set(lora, client.config.lora)
         conv = cls(client, client.new_id())
-        client.send(NewConversation(conv.id, salt=salt))
+        client.send(NewConversation(conv.id, salt=salt, lora=adapters))
         if prompt is not None:
             conv.prompt(prompt)
         return conv
@@ -247,13 +252,15 @@ class Engine(_EngineBase):
         if self._engine_client is not None:
             self._engine_client.close_nowait()
 
-    def conversation(self, prompt: str | Sequence[int] | None = None, *, cache_salt: str | None = None) -> Conversation:
+    def conversation(self, prompt: str | Sequence[int] | None = None, *, cache_salt: str | None = None,
+                     lora: Mapping[str, float] | None = None) -> Conversation:
         """A new, empty conversation (or one holding ``prompt``). Cheap: it takes no seq id yet.
         With ``cache_salt`` it (and its forks) share KV cells, cached or live, only with
-        conversations of the same salt: callers with different salts never see each other's cache."""
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError(f"cache_salt must be a str, got {cache_salt!r}")
-        conv: Conversation = self._new(Conversation, prompt, cache_salt)
+        conversations of the same salt: callers with different salts never see each other's cache.
+        ``lora`` maps adapters loaded with the engine (its ``lora`` option) to their scales: every
+        decode of this conversation and its forks applies them. Conversations of different adapter
+        sets decode in separate steps, taking turns, and share no cells."""
+        conv: Conversation = self._new(Conversation, prompt, cache_salt, lora)
         return conv
 
     async def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *,
@@ -325,3 +332,21 @@ def _seeded(params: dict[str, Any], i: int) -> dict[str, Any]:
     if params.get("seed") is None:
         return params
     return {**params, "seed": seed_for(params["seed"], i)}
+
+
+def lora_set(lora: Any, loaded: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
+    """A conversation's adapters, ``{name: scale}``, as the scheduler keys them (sorted, scale 0
+    left out); InvalidRequestError for a name the engine did not load or a scale that is no number."""
+    if not lora:
+        return ()
+    if not isinstance(lora, Mapping):
+        raise InvalidRequestError(f"lora must map adapter names to scales, got {lora!r}")
+    out = []
+    for name, scale in lora.items():
+        if name not in loaded:
+            known = ", ".join(sorted(loaded)) or "none"
+            raise InvalidRequestError(f"no LoRA adapter {name!r} was loaded with this engine (loaded: {known})")
+        number(f"lora scale of {name!r}", scale, low=-100.0, high=100.0)
+        if scale:
+            out.append((str(name), float(scale)))
+    return tuple(sorted(out))

@@ -46,6 +46,7 @@ class NewConversation:
     conv: int
     tokens: tuple[int, ...] = ()
     salt: str | None = None  # shares cached cells only with conversations of the same salt
+    lora: tuple[tuple[str, float], ...] = ()  # the LoRA adapters its decodes apply, by name, with scales
 
 
 @dataclass(frozen=True)

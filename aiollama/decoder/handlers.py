@@ -60,7 +60,7 @@ class Handlers:
         self._table[type(command)](command)
 
     def _new(self, command: NewConversation) -> None:
-        self.core.scheduler.add(command.conv, command.tokens, command.salt)
+        self.core.scheduler.add(command.conv, command.tokens, command.salt, command.lora)
 
     def _prompt(self, command: Prompt) -> None:
         sched, gens = self.core.scheduler, self.core.generations

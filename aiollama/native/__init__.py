@@ -9,9 +9,10 @@ Nothing here is thread-safe: one context belongs to one thread at a time.
 from aiollama.native.batch import Batch
 from aiollama.native.context import Context, DecodeStatus
 from aiollama.native.handle import open_handles
+from aiollama.native.lora import LoraAdapter
 from aiollama.native.model import Model, Vocab
 from aiollama.native.sampler import SamplerChain, sample_rows
 from aiollama.native.threads import available_cpus
 
-__all__ = ["Batch", "Context", "DecodeStatus", "Model", "SamplerChain", "Vocab", "available_cpus",
+__all__ = ["Batch", "Context", "DecodeStatus", "LoraAdapter", "Model", "SamplerChain", "Vocab", "available_cpus",
            "open_handles", "sample_rows"]

@@ -90,7 +90,8 @@ def verify_declarations(ffi: Any, lib: Any) -> None:
         getattr(lib, name)
 
 
-_OPAQUE = {"llama_vocab", "llama_model", "llama_context", "llama_sampler", "llama_memory_i", "ggml_backend_device",
+_OPAQUE = {"llama_vocab", "llama_model", "llama_context", "llama_sampler", "llama_adapter_lora", "llama_memory_i",
+           "ggml_backend_device",
            "ggml_backend_reg", "ggml_backend_buffer_type"}
 
 

@@ -7,7 +7,7 @@ A context belongs to one thread at a time: llama.cpp does no locking inside it. 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from aiollama.errors import (
 from aiollama.native.batch import Batch
 from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
 from aiollama.native.handle import Handle
+from aiollama.native.lora import LoraAdapter, set_adapters
 from aiollama.native.memory import MemoryOps
 from aiollama.native.model import Model, Vocab
 from aiollama.native.params import context_params
@@ -234,6 +235,11 @@ class Context(Handle, MemoryOps):
             shown = rows if len(rows) <= 16 else rows[:16] + ["..."]
             raise InvalidOutputError(f"batch row {idx} has no logits from the last decode (rows with logits: {shown})")
         return idx
+
+    def set_adapters(self, adapters: Sequence[tuple[LoraAdapter, float]]) -> None:
+        """Apply these LoRA adapters, each at its scale, from the next decode on (none: the base
+        model). llama.cpp keeps the graph when the set is unchanged."""
+        set_adapters(self._get(), adapters)
 
     def logits_buffer(self, idx: int) -> Any:
         """The logits of batch row ``idx`` of the last decode, in place (a writable buffer of

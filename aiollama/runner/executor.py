@@ -25,7 +25,7 @@ from aiollama.errors import (
     UnsupportedModel,
 )
 from aiollama.formats.tokens import Tokenizer
-from aiollama.native import Batch, Context, DecodeStatus, Model, seqstate
+from aiollama.native import Batch, Context, DecodeStatus, LoraAdapter, Model, seqstate
 from aiollama.native.devices import fit, placement
 from aiollama.native.params import context_params
 from aiollama.runner.drafter import Drafter
@@ -114,6 +114,10 @@ class NativeExecutor:
                     cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v,
                     reference_kernels=config.deterministic))
                 self.batch = stack.enter_context(Batch(self.ctx.n_batch))
+            self._loras = {name: stack.enter_context(LoraAdapter(self.model, path)) for name, path in config.lora.items()}
+            if self._loras:
+                stack.callback(self.ctx.set_adapters, [])  # before the adapters are freed
+            self._lora_now: tuple[tuple[str, float], ...] = ()
             self._drafter: Drafter | None = None
             if config.draft_model is not None and not self.embeds_only:
                 self._drafter = Drafter(config.draft_model, self.model.vocab, n_ctx=config.n_ctx,
@@ -159,6 +163,9 @@ class NativeExecutor:
         parked, restored = self._apply(plan.ops)
         if not plan.slices:
             return StepResult(StepStatus.OK, parked=parked, restored=restored)
+        if plan.lora != self._lora_now:
+            self.ctx.set_adapters([(self._loras[name], scale) for name, scale in plan.lora])
+            self._lora_now = plan.lora
         slices: Sequence[Slice] = plan.slices
         if not self.ctx.kv_unified:
             # llama.cpp puts sequences of a split cache in one ubatch only while their seq ids

@@ -38,11 +38,15 @@ class Queues:
         """Every live sequence (a read for tests and statistics; do not modify them)."""
         return list(self._seqs.values())
 
-    def add(self, conv: int, tokens: Iterable[int] = (), salt: str | None = None) -> SeqState:
-        """A conversation; it shares cached cells only with holders of the same ``salt``."""
+    def add(self, conv: int, tokens: Iterable[int] = (), salt: str | None = None,
+            lora: tuple[tuple[str, float], ...] = ()) -> SeqState:
+        """A conversation; it shares cached cells only with holders of the same ``salt`` and the
+        same LoRA adapters (cells computed under other adapters hold other values)."""
         if conv in self._seqs:
             raise KeyError(f"conversation {conv} already exists")
-        seq = SeqState(conv, list(tokens), last_used=self.kv.tick(), salt=salt)
+        if lora:
+            salt = f"{salt or ''}\x00lora={lora!r}"
+        seq = SeqState(conv, list(tokens), last_used=self.kv.tick(), salt=salt, lora=lora)
         self._seqs[conv] = seq
         return seq
 
@@ -56,7 +60,9 @@ class Queues:
         it shares their KV once it runs (prefix sharing)."""
         src = self._seqs[parent]
         src.last_used = self.kv.tick()
-        return self.add(child, src.tokens if n_tokens is None else src.tokens[:n_tokens], src.salt)
+        child_seq = self.add(child, src.tokens if n_tokens is None else src.tokens[:n_tokens])
+        child_seq.salt, child_seq.lora = src.salt, src.lora
+        return child_seq
 
     def rewind(self, conv: int, n_tokens: int) -> None:
         """Keep only the first ``n_tokens`` tokens of an idle conversation (and of its cache)."""

@@ -84,6 +84,7 @@ class Scheduler(Queues):
         self._admitted: list[int] = []
         self._shifted: list[tuple[int, int, int]] = []
         self._rr = 0
+        self._lora_turn = 0  # which adapter set's turn it is
         self._pairs = 0  # guided generations submitted and not finished
         # unified: idle cells are given back under load, looked at when generations start or end
         self._trims = kv_unified and not ordered
@@ -101,6 +102,8 @@ class Scheduler(Queues):
         seq = self._seqs[conv]
         partner = None if guide is None else self._seqs[guide]
         _check_submit(seq, partner, n_keep, self.n_ctx)
+        if partner is not None and partner.lora != seq.lora:
+            raise InvalidRequestError("a guidance conversation must use the same LoRA adapters")
         dropped = None
         if len(seq.tokens) >= self.n_ctx:
             assert n_keep is not None
@@ -156,14 +159,24 @@ class Scheduler(Queues):
         if self._trims and self._idle_changed and self._running:
             self._idle_changed = False
             self.idle_trims += trim_idle(self.kv, self._running)
-        slices = fit(self._slices(), self.kv, self._preempt_newest)
+        group = self._lora_group()
+        slices = fit(self._slices(group), self.kv, self._preempt_newest)
         if self._pairs:
             slices = lockstep(slices, self._seqs)
         if self.kv.holes:  # ordered cells only: never summed on the common path
             self.kv.room(sum(s.cells for s in slices))
         admitted, self._admitted = tuple(self._admitted), []
         shifted, self._shifted = tuple(self._shifted), []
-        return Plan(self.kv.take_ops(), tuple(slices), admitted, shifted)
+        return Plan(self.kv.take_ops(), tuple(slices), admitted, shifted, group)
+
+    def _lora_group(self) -> tuple[tuple[str, float], ...]:
+        """The adapter set this step decodes: the running sequences' sets take turns, a step each
+        (llama.cpp applies adapters to a whole context)."""
+        groups = sorted({seq.lora for seq in self._running})
+        if len(groups) <= 1:
+            return groups[0] if groups else ()
+        self._lora_turn += 1
+        return groups[self._lora_turn % len(groups)]
 
     def update(self, plan: Plan, result: StepResult) -> bool:
         """Apply a step's result: the decoded tokens are cached and sampled tokens join the history;
@@ -225,13 +238,13 @@ class Scheduler(Queues):
                 if s.prompt_tokens < 0:
                     s.prompt_tokens, s.cached_tokens = len(s.tokens), s.n_cached
 
-    def _slices(self) -> list[Slice]:
+    def _slices(self, group: tuple[tuple[str, float], ...] = ()) -> list[Slice]:
         slices: list[Slice] = []
         prefill: list[SeqState] = []
         drafting: list[int] = []
         for seq in self._running:
             assert seq.seq_id is not None
-            if seq.restoring:
+            if seq.restoring or seq.lora != group:
                 continue
             if seq.n_keep is not None and len(seq.tokens) >= self.n_ctx:
                 self._shifted.append((seq.conv, *shift(self.kv, seq, self.n_ctx, self.can_shift)))

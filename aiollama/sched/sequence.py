@@ -32,6 +32,7 @@ class SeqState:
     entry: bool = False  # a cache entry: a closed conversation's prefix, no conversation behind it
     salt: str | None = None  # shares cells only with holders of the same salt
     score: bool = False  # its generation scores the prompt: evaluate it whole, every row's logits
+    lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters (name, scale): decoded only beside the same
     restoring: bool = False  # a parked state is being put back this step: no tokens for it yet
     n_keep: int | None = None  # context shift: keep this many first tokens; None: no shift
     draft: DraftLength | None = None  # n-gram speculation for the current generation; None: none

@@ -120,13 +120,15 @@ class Plan:
 
     ``admitted`` lists the conversations that got a seq id in this plan; ``shifted`` the context
     shifts it made, as ``(conv, n_keep, n_dropped)``: tokens ``[n_keep, n_keep + n_dropped)`` left
-    that conversation's history.
+    that conversation's history. ``lora``: llama.cpp applies adapters per context, so a step
+    decodes the sequences of one adapter set.
     """
 
     ops: tuple[Op, ...] = ()
     slices: tuple[Slice, ...] = ()
     admitted: tuple[int, ...] = ()
     shifted: tuple[tuple[int, int, int], ...] = ()
+    lora: tuple[tuple[str, float], ...] = ()  # the LoRA adapters (name, scale) every slice decodes with
 
     @property
     def n_tokens(self) -> int:

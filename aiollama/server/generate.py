@@ -33,6 +33,7 @@ from aiollama.server.state import (
     State,
     check_prompt_size,
     check_template_kwargs,
+    lora_names,
     serving_engine,
     translate,
 )
@@ -71,7 +72,7 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
     engine = serving_engine(state)
     texts = [req.prompt] if isinstance(req.prompt, str) else [str(m.get("content") or "") for m in req.messages or ()]
     check_prompt_size(state, engine, texts, engine.n_ctx)
-    root = engine.conversation(cache_salt=req.cache_salt)
+    root = engine.conversation(cache_salt=req.cache_salt, lora=lora_names(engine, req.lora))
     convs = [root]
     echo: tuple[str, list[int]] | None = None
     tools = req.tools if req.tool_choice != "none" else None

@@ -44,6 +44,7 @@ class Request:
     cache_salt: str | None = None  # shares cached cells only with requests of the same salt
     echo: bool = False  # legacy completions: the prompt comes back before the completion
     prompt_logprobs: int | None = None  # vLLM's: the prompt's tokens scored, in the response
+    lora: list[tuple[str | int, float]] = field(default_factory=list)  # adapters by name or index, scales
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -167,7 +168,7 @@ COMMON_FIELDS = frozenset({
     "model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias", "response_format", "best_of",
     "top_k", "min_p", "repeat_penalty", "grammar", "json_schema", "priority", "ignore_eos", "cache_prompt",
-    "reasoning_budget", "reasoning_budget_message", "cache_salt", "prompt_logprobs",
+    "reasoning_budget", "reasoning_budget_message", "cache_salt", "prompt_logprobs", "lora",
     *UNSUPPORTED,
     "user", "metadata",  # informational: they change nothing in the answer
 })
@@ -233,7 +234,23 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
                              code="unsupported_parameter")
         params["prompt_logprobs"] = scored
     return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")), params=params,
-                   cache_salt=salt, prompt_logprobs=scored)
+                   cache_salt=salt, prompt_logprobs=scored, lora=_lora(body.get("lora")))
+
+
+def _lora(value: Any) -> list[tuple[str | int, float]]:
+    """llama-server's ``lora``: ``[{"id": index, "scale": s}]``, or ``{"name": ..., "scale": s}``."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else None
+    out: list[tuple[str | int, float]] = []
+    for item in items or [None]:
+        key = item.get("name", item.get("id")) if isinstance(item, dict) else None
+        scale = item.get("scale", 1.0) if isinstance(item, dict) else None
+        if items is None or isinstance(key, bool) or not isinstance(key, (str, int)) \
+                or isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise BadRequest("'lora' must be a list of {'id' or 'name', 'scale'} objects", param="lora")
+        out.append((key, float(scale)))
+    return out
 
 
 def completion_request(body: Any) -> Request:

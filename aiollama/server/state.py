@@ -85,6 +85,20 @@ def check_template_kwargs(engine: Engine, kwargs: dict[str, Any]) -> None:
                              param=param, code="unsupported_parameter")
 
 
+def lora_names(engine: Engine, chosen: list[tuple[str | int, float]]) -> dict[str, float]:
+    """A request's adapters by name (an ``id`` is an index into those the server loaded, in the
+    order given); a 400 naming one that is not loaded."""
+    loaded = list(engine.config.lora)
+    out: dict[str, float] = {}
+    for key, scale in chosen:
+        name = loaded[key] if isinstance(key, int) and 0 <= key < len(loaded) else key
+        if not isinstance(name, str) or name not in loaded:
+            raise BadRequest(f"no LoRA adapter {key!r} is loaded (loaded: {', '.join(loaded) or 'none'})",
+                             param="lora")
+        out[name] = out.get(name, 0.0) + scale
+    return out
+
+
 def serving_engine(state: State) -> Engine:
     engine = state.engine
     if engine is not None and engine.serving:
