@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,13 @@ def calls_of(text: str) -> tuple[str, list[tuple[str, object]]]:
     ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n"
      "<arg_value>2</arg_value>\n</tool_call>", "", [("get_weather", {"city": "Oslo", "days": 2})]),
     ("<tool_call>get_time</tool_call>", "", [("get_time", {})]),
+    # Kimi-K2, as its template writes calls (ids functions.NAME:INDEX), text before them
+    ('I will check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+     '{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}'
+     '<|tool_call_end|><|tool_calls_section_end|>',
+     "I will check.", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{"zone": "UTC"}',
+     "", [("get_time", {"zone": "UTC"})]),  # cut off
 ])
 def test_calls_in_every_format(text: str, content: str, calls: list[tuple[str, object]]) -> None:
     assert calls_of(text) == (content, calls)
@@ -127,3 +135,52 @@ def test_xml_arguments_follow_the_tool_schema() -> None:
     [call] = parse(text, tool_schemas(tools))[1]
     assert json.loads(call.arguments) == {"zip": "01234", "count": 5, "exact": True}
     assert might_be_call("<function=lo") and might_be_call("<functi")
+
+
+@pytest.mark.parametrize("text", [
+    'Let me look that up for you.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    'Let me look that up for you.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+    '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>',
+])
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_text_before_a_call_streams_and_the_call_never_leaks(text: str, size: int) -> None:
+    from aiollama import Chunk, FinishReason
+    from aiollama.server.shape import ChatChoice
+
+    choice = ChatChoice(0, {"get_weather": {}}, lambda t: b"")
+    deltas = []
+    for i in range(0, len(text), size):
+        deltas += choice.feed(Chunk(text[i:i + size], [0]))
+    streamed = "".join(d["delta"].get("content") or "" for d in deltas)
+    assert streamed.startswith("Let me look that up for you")  # shown before the reply ends
+    deltas += choice.finish(FinishReason.EOG)
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    assert content.strip() == "Let me look that up for you." and "<" not in content
+    [call] = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.anyio
+async def test_call_markers_show_in_the_stream_even_as_control_tokens(smollm2_path: Path) -> None:
+    """Kimi-K2's call markers are control tokens, which llama.cpp does not show as text; the
+    stream shows them (as llama-server's preserved tokens), and no other control token."""
+    from tiny_model import copy_tokenizer, write_tiny_model
+
+    import aiollama
+    from aiollama import Engine
+
+    path = aiollama.cache_dir() / "test-models" / "tiny-kimi-markers-v1.gguf"
+    if not path.is_file():
+        fields = {k: f.contents() for k, f in copy_tokenizer(smollm2_path).items()}  # type: ignore[attr-defined]
+        fields["tokenizer.ggml.tokens"] = list(fields["tokenizer.ggml.tokens"]) + ["<|tool_call_begin|>"]
+        fields["tokenizer.ggml.token_type"] = list(fields["tokenizer.ggml.token_type"]) + [3]  # control
+        write_tiny_model(path, None, tokenizer=fields, seed=5)
+    async with Engine(path, n_ctx=256) as engine:
+        marker = engine.tokenize("<|tool_call_begin|>", special=True)
+        other = engine.tokenize("<|im_start|>", special=True)
+        assert len(marker) == 1 and len(other) == 1
+        shown = await engine.conversation("Hi").stream(max_tokens=1, logit_bias={marker[0]: 100})
+        assert shown.tokens == marker and shown.text == "<|tool_call_begin|>"
+        hidden = await engine.conversation("Hi").stream(max_tokens=1, logit_bias={other[0]: 100})
+        assert hidden.tokens == other and hidden.text == ""

@@ -8,6 +8,8 @@ Models write tool calls in a few formats; :func:`parse` reads them into OpenAI-s
 - GLM-4.5 and later: ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>``;
 - gpt-oss (Harmony): a ``commentary`` message ``to=functions.NAME``, which
   :mod:`aiollama.formats.harmony` writes into the content in the Hermes form;
+- Kimi-K2: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>
+  {...}<|tool_call_end|>...<|tool_calls_section_end|>``;
 - Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
 - Llama 3: ``<|python_tag|>{"name": ..., "parameters": {...}}``, or that JSON alone;
 - plain JSON: an object with ``name`` and ``arguments`` (or ``parameters``), or a list of them,
@@ -28,7 +30,16 @@ from typing import Any
 
 from aiollama.errors import InvalidRequestError
 
-MARKERS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", "{", "[", "```")
+# Markers that open a call anywhere in a reply (text before them is content); JSON opens one only
+# at the start of the reply.
+OPENERS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_calls_section_begin|>",
+           "<|tool_call_begin|>")
+MARKERS = (*OPENERS, "{", "[", "```")
+# Marker tokens the stream shows as text even where the vocabulary makes them control tokens
+PRESERVED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<|tool_calls_section_begin|>",
+             "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+_KIMI = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([^\s:<]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>(.*?)"
+                   r"(?:<\|tool_call_end\|>|$)", re.S)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
@@ -136,6 +147,8 @@ def parse(text: str, names: Collection[str]) -> tuple[str, list[ToolCall]]:
     is the whole text). ``names`` may map each name to the tool's parameters schema, which says
     which XML-format arguments stay text."""
     stripped = text.strip()
+    if "<|tool_call_begin|>" in stripped:
+        return _kimi_calls(stripped, names)
     if "<tool_call>" in stripped or stripped.startswith("<function="):
         start = stripped.index("<tool_call>") if "<tool_call>" in stripped else 0
         bodies = _HERMES.findall(stripped) if "<tool_call>" in stripped else [stripped]
@@ -155,6 +168,29 @@ def parse(text: str, names: Collection[str]) -> tuple[str, list[ToolCall]]:
             return (before.strip(), found) if found else (text, [])
     found = _json_calls(stripped, names)
     return ("", found) if found else (text, [])
+
+
+def _kimi_calls(text: str, names: Collection[str]) -> tuple[str, list[ToolCall]]:
+    start = min(i for i in (text.find("<|tool_calls_section_begin|>"), text.find("<|tool_call_begin|>")) if i >= 0)
+    calls = []
+    for name, arguments in _KIMI.findall(text):
+        call = _call({"name": name, "arguments": arguments.strip() or "{}"}, names)
+        if call is None:
+            return text, []
+        calls.append(call)
+    return (text[:start].strip(), calls) if calls else (text, [])
+
+
+def held_from(text: str) -> int:
+    """Where streamed content must stop for now: at a marker that opens a tool call, or at a tail
+    that could become one (the end of ``text`` when there is neither)."""
+    found = [i for i in (text.find(m) for m in OPENERS) if i >= 0]
+    if found:
+        return min(found)
+    for k in range(min(max(len(m) for m in OPENERS) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-k:]) for m in OPENERS):
+            return len(text) - k
+    return len(text)
 
 
 def might_be_call(text: str) -> bool:

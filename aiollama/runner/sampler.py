@@ -14,6 +14,7 @@ import numpy as np
 from aiollama.errors import LogitsProcessorError
 from aiollama.formats import reasoning
 from aiollama.formats.constraints import Masks
+from aiollama.formats.toolcalls import PRESERVED
 from aiollama.native import Context, SamplerChain, Vocab, available_cpus, sample_rows
 from aiollama.native.sampler import DEFAULT_SEED, attach
 from aiollama.sampling import LogitsProcessor, SamplingParams
@@ -125,6 +126,10 @@ class Sampling:
         self._streams: dict[int, _Sampler] = {}
         self._masks: Masks | None = None
         self._tokens: dict[int, tuple[bytes, bool]] = {}  # token -> (piece, is end of generation)
+        # the markers of thinking and tool calls show in the text even where they are control
+        # tokens (Kimi-K2's), as llama-server's preserved tokens do: the parsers read them there
+        self._preserved = {ids[0] for ids in (vocab.tokenize(text, parse_special=True) for text in PRESERVED)
+                           if len(ids) == 1}
         self._backend = backend
         self._gpu_decodes = gpu_decodes
         # backend sampling: seq id -> the conversation whose chain runs in the decode graph for it
@@ -290,7 +295,8 @@ class Sampling:
             logprob, top = float(logits[token]) - lse, tuple(found)  # a token the mask allowed kept its logit
         known = self._tokens.get(token)
         if known is None:  # a token's piece and end-of-generation flag, asked of llama.cpp once
-            known = self._tokens[token] = (self.vocab.token_to_piece(token), self.vocab.is_eog(token))
+            known = self._tokens[token] = (self.vocab.token_to_piece(token, special=token in self._preserved),
+                                           self.vocab.is_eog(token))
         if sampler.budget is not None:
             sampler.budget.took(known[0])
         return Sampled(conv, token, known[0], known[1], final, logprob, top)

@@ -8,7 +8,7 @@ from typing import Any
 
 from aiollama import Chunk, FinishReason
 from aiollama.formats import reasoning
-from aiollama.formats.toolcalls import ToolCall, might_be_call, parse
+from aiollama.formats.toolcalls import ToolCall, held_from, might_be_call, parse
 
 FINISH = {FinishReason.EOG: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
           FinishReason.CANCELLED: "stop"}
@@ -88,7 +88,9 @@ class ChatChoice:
         if len(thought) > self.sent_reasoning:
             out.append({"reasoning_content": thought[self.sent_reasoning:]})
             self.sent_reasoning = len(thought)
-        if not open_ and not (self.tool_names and might_be_call(content)) and len(content) > self.sent_content:
+        if not open_ and self.tool_names:  # text before a call streams; the call waits for the end
+            content = "" if might_be_call(content) else content[:held_from(content)]
+        if not open_ and len(content) > self.sent_content:
             out.append({"content": content[self.sent_content:]})
             self.sent_content = len(content)
         deltas = [self.delta(part) for part in out]
@@ -108,6 +110,9 @@ class ChatChoice:
         if len(thought) > self.sent_reasoning:
             out.append(self.delta({"reasoning_content": thought[self.sent_reasoning:]}))
         if calls:
+            before = parse(content, self.tool_names)[0]
+            if len(before) > self.sent_content:
+                out.append(self.delta({"content": before[self.sent_content:]}))
             out.append(self.delta({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]}))
         elif len(content) > self.sent_content:
             out.append(self.delta({"content": content[self.sent_content:]}))
