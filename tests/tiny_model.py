@@ -52,6 +52,15 @@ def add_fields(writer: GGUFWriter, fields: dict[str, object]) -> None:
             writer.add_uint32(key, int(value))  # type: ignore[call-overload]
 
 
+def finish(writer: GGUFWriter, tmp: Path, path: Path) -> None:
+    """Write the file out under a temporary name, then put it in place (a reader never sees half)."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, path)
+
+
 def write_tiny_model(
     path: Path,
     tokenizer_source: Path | None,
@@ -110,11 +119,7 @@ def write_tiny_model(
         add(p + "ffn_gate.weight", weight(n_ff, n_embd, scale=0.2))
         add(p + "ffn_up.weight", weight(n_ff, n_embd, scale=0.2))
         add(p + "ffn_down.weight", weight(n_embd, n_ff, scale=0.2))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
+    finish(writer, tmp, path)
     return path
 
 
@@ -239,11 +244,7 @@ def write_mamba_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n
         writer.add_tensor(p + "ssm_a", -np.abs(weight(d_inner, d_state)))
         writer.add_tensor(p + "ssm_d", weight(d_inner))
         writer.add_tensor(p + "ssm_out.weight", weight(n_embd, d_inner))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
+    finish(writer, tmp, path)
     return path
 
 
@@ -291,11 +292,7 @@ def write_bert_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_
         writer.add_tensor(p + "ffn_down.bias", weight(n_embd))
         writer.add_tensor(p + "layer_output_norm.weight", ones)
         writer.add_tensor(p + "layer_output_norm.bias", zeros)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
+    finish(writer, tmp, path)
     return path
 
 
@@ -390,9 +387,5 @@ def write_lora(path: Path, base: Path, *, rank: int = 4, alpha: float = 8.0, see
         writer.add_tensor(name + ".lora_a", a)
         writer.add_tensor(name + ".lora_b", b)
         deltas[name] = (alpha / rank) * (b @ a)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
+    finish(writer, tmp, path)
     return deltas

@@ -20,11 +20,11 @@ from aiollama.errors import (
     InvalidTokenError,
 )
 from aiollama.native.batch import Batch
-from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
+from aiollama.native.binding import ffi, lib
 from aiollama.native.handle import Handle
 from aiollama.native.lora import LoraAdapter, set_adapters
 from aiollama.native.memory import MemoryOps
-from aiollama.native.model import Model, Vocab
+from aiollama.native.model import Model, Vocab, with_model
 from aiollama.native.params import context_params
 
 
@@ -109,13 +109,8 @@ class Context(Handle, MemoryOps):
         params.abort_callback = ffi.addressof(lib, "aiollama_abort_cb")
         params.abort_callback_data = self._abort_flag
 
-        model_ptr = model._acquire()
-        clear_recent_errors()
-        ptr = lib.llama_init_from_model(model_ptr, params)
-        if ptr == ffi.NULL:
-            model._release()
-            why = "; ".join(recent_errors()) or "no reason given"
-            raise ContextCreateError(f"llama.cpp could not create a context: {why}")
+        ptr = with_model(model, lambda model_ptr: lib.llama_init_from_model(model_ptr, params),
+                         lambda why: ContextCreateError(f"llama.cpp could not create a context: {why}"))
         self._own(ptr)
         self.model = model
         if reference_kernels and lib.aiollama_reference_kernels(ptr, True) < 1:

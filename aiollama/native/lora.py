@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from aiollama.errors import ModelLoadError
-from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
+from aiollama.native.binding import ffi, lib
 from aiollama.native.handle import Handle
-from aiollama.native.model import Model
+from aiollama.native.model import Model, with_model
 
 
 class LoraAdapter(Handle):
@@ -22,13 +22,8 @@ class LoraAdapter(Handle):
 
     def __init__(self, model: Model, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        model_ptr = model._acquire()
-        clear_recent_errors()
-        ptr = lib.llama_adapter_lora_init(model_ptr, os.fsencode(self.path))
-        if ptr == ffi.NULL:
-            model._release()
-            why = "; ".join(recent_errors()) or "no reason given"
-            raise ModelLoadError(f"llama.cpp could not load the LoRA adapter {self.path}: {why}")
+        ptr = with_model(model, lambda model_ptr: lib.llama_adapter_lora_init(model_ptr, os.fsencode(self.path)),
+                         lambda why: ModelLoadError(f"llama.cpp could not load the LoRA adapter {self.path}: {why}"))
         self._own(ptr)
         self.model = model
 

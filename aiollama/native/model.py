@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from aiollama._validate import integer
@@ -357,3 +357,15 @@ class Vocab:
             buf = ffi.new("char[]", capacity)
             n = lib.llama_chat_apply_template(tmpl_c, chat, len(messages), add_assistant, buf, capacity)
         return bytes(ffi.buffer(buf, n)).decode("utf-8", "replace")
+
+
+def with_model(model: Model, create: Callable[[Any], Any], fail: Callable[[str], Exception]) -> Any:
+    """``create(model pointer)`` for a handle that keeps the model alive; if it gives NULL, the
+    model is let go and ``fail(llama.cpp's logged reason)`` is raised."""
+    model_ptr = model._acquire()
+    clear_recent_errors()
+    ptr = create(model_ptr)
+    if ptr == ffi.NULL:
+        model._release()
+        raise fail("; ".join(recent_errors()) or "no reason given")
+    return ptr
