@@ -105,7 +105,19 @@ def test_the_server_echoes_and_scores_the_prompt(tiny_path: Path) -> None:
                                                     max_tokens=4, temperature=0))
         assert "".join(e.choices[0].text for e in events) == choice["text"]  # the prompt first, then the rest
         assert events[0].choices[0].logprobs.token_logprobs[0] is None
-        status, answer = post("/v1/completions", {"prompt": prompt, "prompt_logprobs": 1, "stream": True})
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            events = list(client.completions.create(model="x", prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                                    extra_body={"prompt_logprobs": 1}))
+            chunks = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
+                                                         max_tokens=2, stream=True, extra_body={"prompt_logprobs": 0}))
+        first = events[0].choices[0].model_extra["prompt_logprobs"]  # streamed: with the first event
+        assert events[0].choices[0].text == "" and len(first) == len(rows) and first[0] is None
+        for got, row in zip(first[1:], rows[1:]):
+            assert got.keys() == row.keys()
+            assert all(got[k]["logprob"] == pytest.approx(row[k]["logprob"], abs=1e-3) for k in row)
+        [streamed_chat] = [c.model_extra["prompt_logprobs"] for c in chunks if (c.model_extra or {}).get("prompt_logprobs")]
+        assert len(streamed_chat) == len(chat["prompt_logprobs"]) and streamed_chat[0] is None
+        status, answer = post("/v1/completions", {"prompt": prompt, "prompt_logprobs": 21})
         assert status == 400 and answer["error"]["param"] == "prompt_logprobs"
     finally:
         server.stop()

@@ -282,6 +282,8 @@ async def _events(job: _Job, state: State, req: Request) -> AsyncIterator[str]:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     completion_tokens = 0
+    # the scored prompt goes out with each choice's first event (once, beside the choices, for chat)
+    unscored = set() if req.prompt_logprobs is None else ({0} if job.chat else set(range(len(job.streams))))
     try:
         if job.chat:
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -292,6 +294,13 @@ async def _events(job: _Job, state: State, req: Request) -> AsyncIterator[str]:
                 if isinstance(item, AiollamaError):
                     error = item
                     break
+                if i in unscored:
+                    unscored.discard(i)
+                    assert req.prompt_logprobs is not None
+                    rows = prompt_logprobs(job.streams[i].prompt_logprobs, job.choices[i].token_bytes,
+                                           req.prompt_logprobs)
+                    yield (event([], prompt_logprobs=rows) if job.chat else event(
+                        [{"index": i, "text": "", "logprobs": None, "finish_reason": None, "prompt_logprobs": rows}]))
                 if item is None:
                     for delta in job.choices[i].finish(job.streams[i].finish_reason):
                         yield event([delta])

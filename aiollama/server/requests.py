@@ -229,9 +229,6 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
         raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
     scored = _integer(body, "prompt_logprobs", 0, 20)
     if scored is not None:
-        if stream:
-            raise BadRequest("'prompt_logprobs' is given on responses that are not streamed", param="prompt_logprobs",
-                             code="unsupported_parameter")
         params["prompt_logprobs"] = scored
     return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")), params=params,
                    cache_salt=salt, prompt_logprobs=scored, lora=_lora(body.get("lora")))
