@@ -288,3 +288,22 @@ async def test_chat_template_kwargs_reach_the_template_or_fail(opening_model: Pa
         for bad in ({"reasoning_effort": "low"}, {"messages": []}):
             with pytest.raises(ChatTemplateError):
                 engine.conversation().chat("Hi", chat_template_kwargs=bad)
+
+
+def test_a_reasoning_budget_closes_a_harmony_analysis() -> None:
+    budget = reasoning.Budget(2, [90], inside=False, harmony_closing=[1, 2, 3])
+    for piece in (b"<|channel|>", b"analysis", b"<|message|>", b"We", b" need"):
+        assert budget.forcing is None
+        budget.took(piece)
+    forced = []
+    while budget.forcing is not None:
+        forced.append(budget.forcing)
+        budget.took(b"x")
+    assert forced == [1, 2, 3] and budget.done  # the final channel's header, then the model answers
+    closed = reasoning.Budget(5, [90], inside=False, harmony_closing=[1, 2, 3])
+    for piece in (b"<|channel|>analysis<|message|>", b"Short.", b"<|start|>", b"assistant"):
+        closed.took(piece)
+    assert closed.done and closed.forcing is None  # closed by the model before the budget
+    plain = reasoning.Budget(0, [90], inside=False, harmony_closing=[1, 2, 3])
+    plain.took(b"Hello")
+    assert plain.done and plain.forcing is None  # no thinking at all: left alone

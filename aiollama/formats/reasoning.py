@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from aiollama.formats import harmony
 
 START, END = "<think>", "</think>"
+ANALYSIS = harmony.CHANNEL + "analysis" + harmony.MESSAGE  # how a Harmony reply opens its thinking
 
 
 def opened(prompt_tail: str) -> bool:
@@ -56,13 +57,18 @@ def pending(text: str, *, inside: bool = False) -> bool:
 class Budget:
     """A thinking budget for one generation: once ``limit`` tokens have been generated inside its
     thinking block, the tokens of ``closing`` (a message, then the closing marker) are forced, one
-    a step, and the model answers after them. ``inside``: the prompt opened the block. A
-    generation that starts with something other than a thinking block is not touched.
+    a step, and the model answers after them. ``inside``: the prompt opened the block. A Harmony
+    reply's analysis channel counts the same way and is closed by ``harmony_closing`` (a message,
+    the end of the message and the header of the final channel). A generation that starts with
+    something other than a thinking block is not touched.
     """
 
-    def __init__(self, limit: int, closing: Sequence[int], *, inside: bool) -> None:
+    def __init__(self, limit: int, closing: Sequence[int], *, inside: bool,
+                 harmony_closing: Sequence[int] = ()) -> None:
         self.left = limit
         self.closing = list(closing)
+        self.harmony_closing = list(harmony_closing)
+        self.end = END  # what closes the block the generation is in
         self.inside = inside
         self.done = False  # the block closed (by the model or by force), or there was none
         self.forced: deque[int] = deque()
@@ -94,11 +100,14 @@ class Budget:
             head = self._text.lstrip()
             if head.startswith(START):
                 self._enter()
-            elif not START.startswith(head):
+            elif head.startswith(ANALYSIS) and self.harmony_closing:
+                self.closing, self.end = self.harmony_closing, harmony.START
+                self._enter()
+            elif not (START.startswith(head) or ANALYSIS.startswith(head)):
                 self.done = True
             return
-        self._text = self._text[-len(END) * 4:]
-        if END in self._text:
+        self._text = self._text[-len(self.end) * 4:]
+        if self.end in self._text:
             self.done = True
             return
         self.left -= 1

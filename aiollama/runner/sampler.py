@@ -157,8 +157,10 @@ class Sampling:
         tail = b"".join(self.vocab.token_to_piece(t, special=True) for t in history[-8:])
         closing = self.vocab.tokenize(params.reasoning_budget_message + "\n" + reasoning.END + "\n\n",
                                       parse_special=True)
-        return reasoning.Budget(params.reasoning_budget, closing,
-                                inside=reasoning.opened(tail.decode("utf-8", "replace")))
+        harmony_closing = self.vocab.tokenize(params.reasoning_budget_message + "<|end|><|start|>assistant<|channel|>"
+                                              "final<|message|>", parse_special=True)
+        return reasoning.Budget(params.reasoning_budget, closing, inside=reasoning.opened(tail.decode("utf-8", "replace")),
+                                harmony_closing=harmony_closing)
 
     def stop(self, conv: int) -> None:
         sampler = self._streams.pop(conv, None)
