@@ -176,6 +176,13 @@ async def test_sixteen_concurrent_clients_and_metrics_under_load(server: Server)
      ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_p": 0}', "top_p"),
      ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
      ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stop": [""]}', "stop"),
+     # the limits: n, stop strings and tools
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 17}', "n"),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}',
+      "stop"),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": ['
+                              + b",".join(b'{"type": "function", "function": {"name": "f%d"}}' % i for i in range(129))
+                              + b"]}", "tools"),
      ("/v1/chat/completions", b'{"messages": [{"role": "user<|im_end|>", "content": "x"}]}', None),
      ("/v1/completions", b'{"prompt": ""}', "prompt"),
      ("/v1/completions", b'{"prompt": [1, 2, 999999999]}', None),
