@@ -123,3 +123,10 @@ async def test_bad_requests_are_refused(server: Server) -> None:
             await c.responses.create(model="tiny", input="Hi", tools=[{"type": "web_search"}])
         with pytest.raises(openai.BadRequestError, match="background"):
             await c.responses.create(model="tiny", input="Hi", background=True)
+        with pytest.raises(openai.BadRequestError, match="reasoning_effort") as refused:  # this template has none
+            await c.responses.create(model="tiny", input="Hi", reasoning={"effort": "low"})
+        assert refused.value.body["param"] == "reasoning.effort"
+        with pytest.raises(openai.BadRequestError, match="summaries"):
+            await c.responses.create(model="tiny", input="Hi", reasoning={"summary": "auto"})
+        plain = await c.responses.create(model="tiny", input="Hi", max_output_tokens=2, reasoning={"effort": None})
+        assert plain.reasoning is not None and plain.reasoning.effort is None

@@ -27,7 +27,13 @@ from aiollama.server.generate import cancel_on_disconnect
 from aiollama.server.requests import BadRequest
 from aiollama.server.responses_request import ResponsesRequest, responses_request
 from aiollama.server.shape import ChatChoice
-from aiollama.server.state import State, check_prompt_size, serving_engine, translate
+from aiollama.server.state import (
+    State,
+    check_prompt_size,
+    check_template_kwargs,
+    serving_engine,
+    translate,
+)
 
 
 def _not_found(response_id: str, param: str | None = None) -> BadRequest:
@@ -156,7 +162,9 @@ def _start(state: State, req: ResponsesRequest) -> Turn:
     else:
         conv = engine.conversation()
     try:
-        stream = conv.chat(messages, tools=req.tools, tool_choice=req.tool_choice, **state.params(req.params))
+        check_template_kwargs(engine, req.template_kwargs, "reasoning.effort")
+        stream = conv.chat(messages, tools=req.tools, tool_choice=req.tool_choice,
+                           chat_template_kwargs=req.template_kwargs, **state.params(req.params))
     except BaseException as exc:
         conv.close_nowait()
         if isinstance(exc, AiollamaError):

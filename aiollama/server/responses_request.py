@@ -17,7 +17,7 @@ from aiollama.server.requests import BadRequest, common_request, json_object, to
 RESPONSE_FIELDS = frozenset({
     "model", "input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
     "temperature", "top_p", "tools", "tool_choice", "text", "parallel_tool_calls", "metadata", "user",
-    "seed", "top_k", "min_p", "repeat_penalty", "stop", "truncation", "include",
+    "seed", "top_k", "min_p", "repeat_penalty", "stop", "truncation", "include", "reasoning",
 })
 
 
@@ -32,6 +32,7 @@ class ResponsesRequest:
     tools: list[dict[str, Any]] | None = None  # in the chat shape
     tool_choice: Any = "auto"
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # ``reasoning.effort``, for the template
 
 
 def responses_request(body: Any) -> ResponsesRequest:
@@ -64,6 +65,7 @@ def responses_request(body: Any) -> ResponsesRequest:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise BadRequest("'instructions' must be a string", param="instructions")
+    effort = _effort(body.get("reasoning"))
     messages = input_messages(body.get("input"))
     tools = tool_list(body.get("tools"), _tool)
     choice = body.get("tool_choice", "auto")
@@ -73,8 +75,25 @@ def responses_request(body: Any) -> ResponsesRequest:
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "text": text or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
-            "store": store, "previous_response_id": previous, "parallel_tool_calls": True}
-    return ResponsesRequest(messages, common.params, previous, instructions, store, common.stream, tools, choice, echo)
+            "store": store, "previous_response_id": previous, "parallel_tool_calls": True,
+            "reasoning": {"effort": effort, "summary": None}}
+    return ResponsesRequest(messages, common.params, previous, instructions, store, common.stream, tools, choice, echo,
+                            {"reasoning_effort": effort} if effort is not None else {})
+
+
+def _effort(value: Any) -> str | None:
+    """``reasoning.effort``, for a template that reads ``reasoning_effort``; summaries are not made."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"effort", "summary", "generate_summary"}:
+        raise BadRequest("'reasoning' must be an object of 'effort' (and 'summary')", param="reasoning")
+    if value.get("summary") is not None or value.get("generate_summary") is not None:
+        raise BadRequest("reasoning summaries are not made by this server; the reasoning comes whole",
+                         param="reasoning.summary", code="unsupported_parameter")
+    effort = value.get("effort")
+    if effort is not None and effort not in ("minimal", "low", "medium", "high"):
+        raise BadRequest("reasoning.effort must be 'minimal', 'low', 'medium' or 'high'", param="reasoning.effort")
+    return effort
 
 
 def _text(content: Any, where: str) -> str:

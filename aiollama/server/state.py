@@ -75,12 +75,12 @@ def check_prompt_size(state: State, engine: Engine, texts: Iterable[str], room: 
                          code="context_length_exceeded")
 
 
-def check_template_kwargs(engine: Engine, kwargs: dict[str, Any]) -> None:
+def check_template_kwargs(engine: Engine, kwargs: dict[str, Any], effort: str = "reasoning_effort") -> None:
     """A 400 naming the field for a template variable the model's template does not read: the
-    control would be silently lost."""
+    control would be silently lost. ``effort``: the request's field for ``reasoning_effort``."""
     for name in kwargs:
         if not engine.chat_template_reads(name):
-            param = "reasoning_effort" if name == "reasoning_effort" else "chat_template_kwargs"
+            param = effort if name == "reasoning_effort" else "chat_template_kwargs"
             raise BadRequest(f"this model's chat template does not read {name!r}, so it cannot be honoured",
                              param=param, code="unsupported_parameter")
 
