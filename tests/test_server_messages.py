@@ -160,6 +160,7 @@ async def test_thinking_blocks_the_switch_and_the_budget_in_both_apis(smollm2_pa
                 off = await oc.chat.completions.create(
                     model="r", messages=HELLO, max_tokens=8, temperature=0,
                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+                responded = await oc.responses.create(model="r", input="Hi", max_output_tokens=8, temperature=0)
                 with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
                     await oc.chat.completions.create(model="r", messages=HELLO, max_tokens=2, reasoning_effort="low")
                 with pytest.raises(openai.BadRequestError, match="no_such_switch"):
@@ -176,6 +177,10 @@ async def test_thinking_blocks_the_switch_and_the_budget_in_both_apis(smollm2_pa
     assert [b.type for b in plain.content] == ["text"]
     assert counted["off"] > counted["on"]  # the empty block's tokens
     assert chat.choices[0].message.model_extra["reasoning_content"] and chat.choices[0].message.content
+    # the tokens thought in: the budget's 3, the forced closing, and none of the answer's
+    assert 3 <= chat.usage.completion_tokens_details.reasoning_tokens < chat.usage.completion_tokens
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
+    assert responded.usage.output_tokens_details.reasoning_tokens == responded.usage.output_tokens == 8
     assert not (off.choices[0].message.model_extra or {}).get("reasoning_content") and off.choices[0].message.content
     assert [b.type for b in budgeted.content] == ["thinking", "text"]
     assert deltas[0] == "thinking_delta" and deltas[-1] == "text_delta"

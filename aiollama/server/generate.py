@@ -258,9 +258,12 @@ def _usage(job: _Job, completion_tokens: int) -> dict[str, Any]:
     """OpenAI's usage; ``cached_tokens``: prompt tokens not evaluated (found in the prefix cache)."""
     stats = job.streams[0].stats if job.streams else None
     cached = min(stats.cached_tokens, job.prompt_tokens) if stats is not None else 0
-    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": job.prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": job.prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    if job.chat:  # of the completion tokens, those the replies thought in
+        thought = sum(c.reasoning_tokens for c in job.choices if isinstance(c, ChatChoice))
+        usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+    return usage
 
 
 async def cancel_on_disconnect(request: HttpRequest, scope: anyio.CancelScope) -> None:

@@ -134,7 +134,7 @@ class Turn:
         generated = self.generated
         cached = min(stats.cached_tokens, self.input_tokens) if stats is not None else 0
         usage = {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": cached},
-                 "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": self.choice.reasoning_tokens},
                  "total_tokens": self.input_tokens + generated}
         status = "incomplete" if self.stream.finish_reason is FinishReason.LENGTH else "completed"
         self.response = self.shell(status, self.output(), usage)

@@ -72,6 +72,8 @@ class ChatChoice:
         self.sent_reasoning = 0
         self.sent_content = 0
         self.logprobs: list[dict[str, Any]] = []
+        self.reasoning_tokens = 0  # tokens of chunks that thought (or closed the thinking)
+        self._thought = 0
 
     def _parts(self) -> tuple[str, str, bool]:
         """(reasoning, content, reasoning still open or too early to tell) of the text so far."""
@@ -83,6 +85,9 @@ class ChatChoice:
         self.raw += chunk.text
         out: list[dict[str, Any]] = []
         thought, content, open_ = self._parts()
+        if (open_ and thought) or len(thought) > self._thought:
+            self.reasoning_tokens += len(chunk.tokens)
+        self._thought = len(thought)
         if open_:  # hold back what could be the start of the closing marker
             thought = _without_partial(thought, reasoning.END)
         if len(thought) > self.sent_reasoning:
