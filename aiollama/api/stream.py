@@ -302,12 +302,7 @@ class Stream(StreamBase):
     async def next_chunks(self) -> list[Chunk]:
         """The next chunk and those already delivered behind it: one hop each time for a reader on
         another thread (``SyncStream``). Raises StopAsyncIteration at the end."""
-        chunks = [await self.__anext__()]
-        while not self._result.done and (item := self._sink.get_nowait()) is not None:
-            chunk = self._take(item)
-            if chunk is not None:
-                chunks.append(chunk)
-        return chunks
+        return [await self.__anext__(), *self._delivered()]
 
     async def rest(self) -> list[Chunk]:
         """Wait for the generation to end, and return the chunks not read yet. Its reader wakes
@@ -318,6 +313,10 @@ class Stream(StreamBase):
             except BaseException:
                 self._abandon()
                 raise
+        return self._delivered()
+
+    def _delivered(self) -> list[Chunk]:
+        """The chunks already delivered and not read, up to the generation's end."""
         chunks = []
         while not self._result.done and (item := self._sink.get_nowait()) is not None:
             chunk = self._take(item)

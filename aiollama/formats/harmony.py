@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import re
 
+from aiollama.formats.text import partial_tail
+
 CHANNEL, START, MESSAGE, CONSTRAIN = "<|channel|>", "<|start|>", "<|message|>", "<|constrain|>"
 _MARKERS = (CHANNEL, START, MESSAGE, CONSTRAIN)
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
@@ -32,11 +34,7 @@ def is_harmony(text: str) -> bool:
 
 def _complete(text: str) -> str:
     """``text`` less a tail that could be the start of a marker (while it streams)."""
-    for marker in _MARKERS:
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:k]):
-                return text[:-k]
-    return text
+    return text[:len(text) - partial_tail(text, _MARKERS)]
 
 
 def split(text: str) -> tuple[str, str, bool]:

@@ -43,6 +43,13 @@ def split(text: str, *, inside: bool = False) -> tuple[str, str]:
     return reasoning.strip(), content.lstrip()
 
 
+def parts(text: str, *, inside: bool = False) -> tuple[str, str, bool]:
+    """``split`` and ``pending`` at once (a Harmony reply is read once for both)."""
+    if harmony.is_harmony(text):
+        return harmony.split(text)
+    return (*split(text, inside=inside), pending(text, inside=inside))
+
+
 def pending(text: str, *, inside: bool = False) -> bool:
     """Whether streamed text is still in its thinking block, or too short to say: hold its
     content back until this is False."""

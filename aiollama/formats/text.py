@@ -6,7 +6,7 @@ Pure Python; the decode thread feeds it the bytes of each sampled token.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 class TextAssembler:
@@ -60,12 +60,18 @@ class TextAssembler:
             self.stopped = True
             self._held = ""
             return held[:first]
-        keep = 0
-        for stop in self._stop:
-            for k in range(min(len(stop) - 1, len(held)), keep, -1):
-                if held.endswith(stop[:k]):
-                    keep = k
-                    break
-        cut = len(held) - keep
+        cut = len(held) - partial_tail(held, self._stop)
         self._held = held[cut:]
         return held[:cut]
+
+
+def partial_tail(text: str, markers: Iterable[str]) -> int:
+    """How long the end of ``text`` is that could still grow into one of ``markers`` (the longest
+    tail that is a proper prefix of one): what a stream holds back until it knows."""
+    keep = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), keep, -1):
+            if text.endswith(marker[:k]):
+                keep = k
+                break
+    return keep

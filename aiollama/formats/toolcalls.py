@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiollama.errors import InvalidRequestError
+from aiollama.formats.text import partial_tail
 
 # Markers that open a call anywhere in a reply (text before them is content); JSON opens one only
 # at the start of the reply.
@@ -185,12 +186,7 @@ def held_from(text: str) -> int:
     """Where streamed content must stop for now: at a marker that opens a tool call, or at a tail
     that could become one (the end of ``text`` when there is neither)."""
     found = [i for i in (text.find(m) for m in OPENERS) if i >= 0]
-    if found:
-        return min(found)
-    for k in range(min(max(len(m) for m in OPENERS) - 1, len(text)), 0, -1):
-        if any(m.startswith(text[-k:]) for m in OPENERS):
-            return len(text) - k
-    return len(text)
+    return min(found) if found else len(text) - partial_tail(text, OPENERS)
 
 
 def might_be_call(text: str) -> bool:

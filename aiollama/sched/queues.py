@@ -20,6 +20,8 @@ AGING_SECONDS = 5.0
 class Queues:
     """Every live sequence by conversation, the waiting and the running ones, over ``kv``."""
 
+    lora_used = False  # a conversation with LoRA adapters was added: steps may take turns
+
     def __init__(self, kv: KVManager, clock: Callable[[], float]) -> None:
         self.kv = kv
         self.preemptions = 0
@@ -46,6 +48,7 @@ class Queues:
             raise KeyError(f"conversation {conv} already exists")
         if lora:
             salt = f"{salt or ''}\x00lora={lora!r}"
+            self.lora_used = True
         seq = SeqState(conv, list(tokens), last_used=self.kv.tick(), salt=salt, lora=lora)
         self._seqs[conv] = seq
         return seq

@@ -172,6 +172,8 @@ class Scheduler(Queues):
     def _lora_group(self) -> tuple[tuple[str, float], ...]:
         """The adapter set this step decodes: the running sequences' sets take turns, a step each
         (llama.cpp applies adapters to a whole context)."""
+        if not self.lora_used:  # the common case costs the step nothing
+            return ()
         groups = sorted({seq.lora for seq in self._running if not seq.restoring})
         if len(groups) <= 1:
             return groups[0] if groups else ()

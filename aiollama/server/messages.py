@@ -24,7 +24,13 @@ from aiollama.server.generate import cancel_on_disconnect
 from aiollama.server.messages_request import MessagesRequest, messages_request
 from aiollama.server.requests import BadRequest
 from aiollama.server.shape import ChatChoice
-from aiollama.server.state import State, check_prompt_size, serving_engine, translate
+from aiollama.server.state import (
+    State,
+    check_prompt_size,
+    check_template_kwargs,
+    serving_engine,
+    translate,
+)
 
 STOP_REASONS = {FinishReason.EOG: "end_turn", FinishReason.STOP: "stop_sequence", FinishReason.LENGTH: "max_tokens",
                 FinishReason.CANCELLED: "end_turn"}
@@ -34,12 +40,8 @@ def template_kwargs(engine: Engine, req: MessagesRequest) -> dict[str, Any]:
     """``thinking`` as the template's ``enable_thinking``. Asking for no thinking from a template
     that cannot be told is an error; asking for thinking from one that cannot is not: such a
     model simply answers without a thinking block."""
-    kwargs: dict[str, Any] = {}
-    if req.effort is not None:
-        if not engine.chat_template_reads("reasoning_effort"):
-            raise BadRequest("this model's chat template reads no 'reasoning_effort', so output_config.effort "
-                             "cannot be honoured", param="output_config.effort", code="unsupported_parameter")
-        kwargs["reasoning_effort"] = req.effort
+    kwargs: dict[str, Any] = {} if req.effort is None else {"reasoning_effort": req.effort}
+    check_template_kwargs(engine, kwargs, "output_config.effort")
     if req.thinking is None:
         return kwargs
     if engine.chat_template_reads("enable_thinking"):
@@ -93,7 +95,9 @@ async def create(state: State, request: HttpRequest) -> Response:
             await reply.close()
     if not finished:
         return Response(status_code=499)
-    return JSONResponse(reply.message(reply.blocks(), *reply.stop(), reply.usage(reply.generated)))
+    blocks = reply.blocks()
+    called = any(block["type"] == "tool_use" for block in blocks)
+    return JSONResponse(reply.message(blocks, *reply.stop(called), reply.usage(reply.generated)))
 
 
 class Reply:
@@ -121,10 +125,9 @@ class Reply:
         return {"input_tokens": self.input_tokens - cached, "output_tokens": output_tokens,
                 "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
-    def stop(self) -> tuple[str, str | None]:
-        """(stop_reason, stop_sequence), once the generation has ended."""
-        message = self.choice.message(self.stream.finish_reason)
-        if message["finish_reason"] == "tool_calls":
+    def stop(self, called: bool) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence), once the generation has ended; ``called``: it made tool calls."""
+        if called:
             return "tool_use", None
         reason = STOP_REASONS.get(self.stream.finish_reason or FinishReason.EOG, "end_turn")
         return reason, self.stream.stop_sequence if reason == "stop_sequence" else None
@@ -215,7 +218,7 @@ async def _events(reply: Reply, release: Callable[[], None]) -> AsyncIterator[st
             return
         if kind is not None:
             yield _event("content_block_stop", index=index)
-        stop_reason, stop_sequence = reply.stop()
+        stop_reason, stop_sequence = reply.stop(kind == "tool_use")  # calls come last
         usage = reply.usage(reply.generated)
         yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                      usage={"output_tokens": reply.generated, "input_tokens": usage["input_tokens"],

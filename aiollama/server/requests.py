@@ -236,16 +236,17 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
 
 def _lora(value: Any) -> list[tuple[str | int, float]]:
     """llama-server's ``lora``: ``[{"id": index, "scale": s}]``, or ``{"name": ..., "scale": s}``."""
+    bad = BadRequest("'lora' must be a list of {'id' or 'name', 'scale'} objects", param="lora")
     if value is None:
         return []
-    items = value if isinstance(value, list) else None
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise bad
     out: list[tuple[str | int, float]] = []
-    for item in items or [None]:
-        key = item.get("name", item.get("id")) if isinstance(item, dict) else None
-        scale = item.get("scale", 1.0) if isinstance(item, dict) else None
-        if items is None or isinstance(key, bool) or not isinstance(key, (str, int)) \
+    for item in value:
+        key, scale = item.get("name", item.get("id")), item.get("scale", 1.0)
+        if isinstance(key, bool) or not isinstance(key, (str, int)) \
                 or isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise BadRequest("'lora' must be a list of {'id' or 'name', 'scale'} objects", param="lora")
+            raise bad
         out.append((key, float(scale)))
     return out
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from aiollama import Chunk, FinishReason
 from aiollama.formats import reasoning
+from aiollama.formats.text import partial_tail
 from aiollama.formats.toolcalls import ToolCall, held_from, might_be_call, parse
 
 FINISH = {FinishReason.EOG: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
@@ -77,8 +78,7 @@ class ChatChoice:
 
     def _parts(self) -> tuple[str, str, bool]:
         """(reasoning, content, reasoning still open or too early to tell) of the text so far."""
-        thought, content = reasoning.split(self.raw, inside=self.in_thinking)
-        return thought, content, reasoning.pending(self.raw, inside=self.in_thinking)
+        return reasoning.parts(self.raw, inside=self.in_thinking)
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
         """The deltas to send now for a chunk."""
@@ -89,7 +89,7 @@ class ChatChoice:
             self.reasoning_tokens += len(chunk.tokens)
         self._thought = len(thought)
         if open_:  # hold back what could be the start of the closing marker
-            thought = _without_partial(thought, reasoning.END)
+            thought = thought[:len(thought) - partial_tail(thought, (reasoning.END,))]
         if len(thought) > self.sent_reasoning:
             out.append({"reasoning_content": thought[self.sent_reasoning:]})
             self.sent_reasoning = len(thought)
@@ -192,11 +192,3 @@ class TextChoice:
         lp = completion_logprobs(self.logprobs, self.token_bytes, 0) if self.logprobs else None
         return {"index": self.index, "text": self.text, "logprobs": lp,
                 "finish_reason": FINISH.get(reason or FinishReason.EOG, "stop")}
-
-
-def _without_partial(text: str, marker: str) -> str:
-    """``text`` less a tail that could be the start of ``marker``."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return text[:-k]
-    return text
