@@ -253,6 +253,9 @@ bool llama_memory_can_shift(llama_memory_t mem);
 size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
 size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
 size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
+size_t llama_state_seq_get_size_ext(struct llama_context * ctx, llama_seq_id seq_id, uint32_t flags);
+size_t llama_state_seq_get_data_ext(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id, uint32_t flags);
+size_t llama_state_seq_set_data_ext(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id, uint32_t flags);
 
 /* vocab, tokenize, detokenize */
 enum llama_vocab_type llama_vocab_type(const struct llama_vocab * vocab);

@@ -38,7 +38,9 @@ class EngineConfig:
     them (all 256 for a 49k vocabulary, 64 for a 262k one), and at least 32.
     ``host_cache_bytes`` is the host memory that cached prefixes and preempted streams are parked in
     when the context needs their cells (0 turns it off: they are dropped and evaluated again when
-    needed). ``context_shift`` is the default policy for a history that outgrows the context: False
+    needed). ``checkpoint_bytes`` is the host memory for checkpoints of recurrent states, with a
+    recurrent or hybrid model (Mamba, LFM2, Granite-4.0-H, Qwen3.5...): with none (0), a rewind or a
+    prefix that ends before what a holder holds evaluates from the start. ``context_shift`` is the default policy for a history that outgrows the context: False
     raises ``ContextFull`` (a generation that reaches the end finishes with ``length``); True keeps
     the first ``n_keep`` tokens and drops the older half of the rest. Streams may choose otherwise.
     ``draft_tokens`` > 0 turns on n-gram speculation: decode steps carry drafts of up to that many
@@ -76,6 +78,7 @@ class EngineConfig:
     max_queued: int = 1024
     cache_seq_ids: int | None = None
     host_cache_bytes: int = 2 * 2**30
+    checkpoint_bytes: int = 512 * 2**20
     context_shift: bool = False
     n_keep: int = 0
     draft_tokens: int = 0
@@ -109,6 +112,7 @@ class EngineConfig:
             integer("cache_seq_ids", self.cache_seq_ids, low=0)
         integer("draft_tokens", self.draft_tokens, low=0, high=MAX_DRAFT_TOKENS)
         integer("host_cache_bytes", self.host_cache_bytes, low=0)
+        integer("checkpoint_bytes", self.checkpoint_bytes, low=0)
         integer("n_keep", self.n_keep, low=0)
         if not isinstance(self.context_shift, bool):
             raise InvalidRequestError(f"context_shift must be a bool, got {self.context_shift!r}")

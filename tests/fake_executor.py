@@ -114,14 +114,15 @@ class FakeExecutor:
     """
 
     def __init__(self, config: EngineConfig, *, eog_every: int | None = None, fault: Fault | None = None,
-                 hold: threading.Event | None = None, period: int | None = None) -> None:
+                 hold: threading.Event | None = None, period: int | None = None, memory: str = "kv") -> None:
         self.n_ctx, self.n_batch = config.n_ctx, config.n_batch
         self.n_cells = config.n_ctx
         self.tokenizer = ByteTokenizer()
         self.n_seq_max = config.context_seq_ids(self.tokenizer.n_vocab)  # ids for the prefix cache too
-        self.kv = FakeKV(config.n_ctx, self.n_seq_max)
+        self.memory = memory  # "hybrid": a recurrent state beside the cells, with llama.cpp's rules
+        self.kv = FakeKV(config.n_ctx, self.n_seq_max, recurrent=memory != "kv")
         self.fingerprint = {"model": "fake", "n_vocab": ByteTokenizer.n_vocab}
-        self.can_shift = True
+        self.can_shift = memory == "kv"
         self.kv_unified = True
         self.placement = "CPU"
         self.eog_every = eog_every
@@ -173,9 +174,9 @@ class FakeExecutor:
             self._abort.clear()
 
     def _execute(self, plan: Plan) -> StepResult:
-        parked, restored = self.kv.apply(plan.ops)
+        applied = self.kv.apply(plan.ops)
         if not plan.slices:
-            return StepResult(StepStatus.OK, parked=parked, restored=restored)
+            return StepResult(StepStatus.OK, **applied)
         self.plans.append(plan)
         status = self.fault(plan) if self.fault is not None else None
         if status is None and self.hold is not None and plan.prefilling:
@@ -185,11 +186,11 @@ class FakeExecutor:
             self.prefilling.clear()
             status = StepStatus.ABORTED if self._abort.is_set() else None
         if status is StepStatus.NO_KV_SLOT or (status is None and not self.kv.fits(plan)):
-            return StepResult(StepStatus.NO_KV_SLOT, parked=parked, restored=restored)
+            return StepResult(StepStatus.NO_KV_SLOT, **applied)
         if status is not None:
             self.kv.decode(plan, limit=plan.n_tokens // 2)
             return StepResult(status, n_cached={s.conv: self.kv.pos_max(s.seq_id) + 1 for s in plan.slices},
-                              detail=f"injected {status.name}", parked=parked, restored=restored)
+                              detail=f"injected {status.name}", **applied)
         assert self.kv.decode(plan)
         sampled = []
         rows = {s.conv: s for s in plan.slices if s.logits}
@@ -213,7 +214,7 @@ class FakeExecutor:
                 sampled.append(self._sampled(s.conv, token, final))
             if taken < s.draft:
                 self.kv.remove(s.seq_id, s.pos + 1 + taken)
-        return StepResult(StepStatus.OK, tuple(sampled), parked=parked, restored=restored)
+        return StepResult(StepStatus.OK, tuple(sampled), **applied)
 
     def _sampled(self, conv: int, token: int, final: bool) -> Sampled:
         return Sampled(conv, token, self.tokenizer.piece(token), token in (EOS, IM_END), final)

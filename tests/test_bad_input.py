@@ -195,8 +195,8 @@ CASES = [
     Case("not-gguf", lambda e, m, t: _start(_not_gguf(t)), ModelLoadError, "not a GGUF file"),
     Case("truncated-gguf", lambda e, m, t: _start(_truncated(m, t)), ModelLoadError, "could not load"),
     Case("directory", lambda e, m, t: _start(t), ModelIsADirectory, "directory"),
-    Case("recurrent-model", lambda e, m, t: _start(mamba_model(m.parent, m)), UnsupportedModel,
-         "recurrent or hybrid"),
+    Case("recurrent-model-deterministic", lambda e, m, t: _start(mamba_model(m.parent, m), deterministic=True),
+         UnsupportedModel, "recurrent or hybrid"),
     # prompts
     Case("empty-text", _prompt(""), InvalidRequestError, "must not be empty"),
     Case("empty-tokens", _prompt([]), InvalidRequestError, "must not be empty"),
@@ -278,3 +278,12 @@ async def test_bad_input(engine: Engine, tiny_path: Path, tmp_path: Path, expect
             assert (await conv.stream(max_tokens=8, **GREEDY)).tokens == expected
         stats = engine.statistics()
         assert (stats.active, stats.queued) == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_a_context_smaller_than_its_seq_ids_takes_fewer_of_them(tiny_path: Path) -> None:
+    """Each seq id takes one of llama.cpp's output rows, and a context has n_batch of them (at most
+    n_ctx): more ids would abort the process at the first decode."""
+    async with Engine(tiny_path, n_ctx=192, n_seq_max=5) as engine:
+        out = await engine.conversation([1, 504, 3426]).stream(max_tokens=3, temperature=0.0)
+        assert len(out.tokens) == 3

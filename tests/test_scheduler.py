@@ -40,12 +40,12 @@ class Harness:
     def step(self) -> Plan:
         plan = self.sched.schedule()
         self.plans.append(plan)
-        parked, restored = self.kv.apply(plan.ops)
+        applied = self.kv.apply(plan.ops)
         assert plan.n_tokens <= self.sched.n_batch
         assert self.kv.decode(plan), "the plan did not fit the KV cache"
         token = 1000 + len(self.plans)
         sampled = tuple(Sampled(s.conv, token, b"", False) for s in plan.slices if s.logits)
-        self.sched.update(plan, StepResult(StepStatus.OK, sampled, parked=parked, restored=restored))
+        self.sched.update(plan, StepResult(StepStatus.OK, sampled, **applied))
         for s in sampled:
             self.generated[s.conv].append(token)
             if len(self.generated[s.conv]) >= self.limit[s.conv]:

@@ -7,6 +7,10 @@ closes, forced evictions and steps keep every invariant:
   prefix hit never returns cells that differ from the request;
 - a step never takes cells from a running conversation it did not preempt;
 - every generation finishes.
+
+``TestHybridScheduler`` runs the same machine over a hybrid model's memory (a recurrent state beside
+the cells, see ``fake_kv``), with failed decodes too: every holder's state is then the one after its
+cells, so a rewind, a prefix hit, a preemption or a failure went back to a checkpoint or to nothing.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ SYSTEM = list(range(101, 125))  # a prefix many conversations share, so that the
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(host=st.sampled_from([0, HOST]))
-    def setup(self, host: int) -> None:
+    memory = "kv"
+
+    @initialize(host=st.sampled_from([0, HOST]), checkpoints=st.sampled_from([0, HOST]))
+    def setup(self, host: int, checkpoints: int) -> None:
         self.sched = Scheduler(n_ctx=N_CTX, n_seq_max=N_SEQ_IDS, n_batch=N_BATCH, step_tokens=STEP,
-                               max_running=MAX_RUNNING, host_bytes=host)
-        self.kv = FakeKV(N_CTX, N_SEQ_IDS)
+                               max_running=MAX_RUNNING, host_bytes=host, memory=self.memory,
+                               checkpoint_bytes=checkpoints)
+        self.kv = FakeKV(N_CTX, N_SEQ_IDS, recurrent=self.memory != "kv")
         self.next_id = 1
         self.limits: dict[int, int] = {}  # running generations: tokens still to generate
         self.cancelled: set[int] = set()
@@ -49,8 +56,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         return sorted(s.conv for s in self.sched.sequences())
 
     def _apply_ops(self) -> None:
-        parked, restored = self.kv.apply(self.sched.take_ops())
-        self.sched.update(_empty, StepResult(StepStatus.OK, parked=parked, restored=restored))
+        applied = self.kv.apply(self.sched.take_ops())
+        self.sched.update(_empty, StepResult(StepStatus.OK, **applied))
 
     @rule(toks=tokens, shared=st.booleans())
     def add(self, toks: list[int], shared: bool) -> None:
@@ -121,11 +128,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.make_room()
         self._apply_ops()
 
+    @precondition(lambda self: self.limits)
+    @rule()
+    def failed_step(self) -> None:
+        """A decode that failed (or was aborted) halfway: the first half of its tokens are in the
+        cache, and the recurrent states of its sequences are half computed."""
+        plan = self.sched.schedule()
+        applied = self.kv.apply(plan.ops)
+        if not plan.slices:
+            self.sched.update(plan, StepResult(StepStatus.OK, **applied))
+            return
+        assert self.kv.decode(plan, limit=plan.n_tokens // 2)
+        n_cached = {s.conv: self.kv.pos_max(s.seq_id) + 1 for s in plan.slices}
+        self.sched.update(plan, StepResult(StepStatus.ABORTED, n_cached=n_cached, **applied))
+        self._apply_ops()
+
     @rule()
     def step(self) -> None:
         before = {s.conv: (s.seq_id, s.n_cached) for s in self.sched.sequences() if s.phase is Phase.RUNNING}
         plan = self.sched.schedule()
-        parked, restored = self.kv.apply(plan.ops)
+        applied = self.kv.apply(plan.ops)
         assert plan.n_tokens <= N_BATCH
         assert len({s.conv for s in plan.slices}) == len(plan.slices)
         shifted = {conv for conv, _, _ in plan.shifted}
@@ -148,7 +170,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 sampled.append(Sampled(s.conv, 7, b"", False))
             if taken < s.draft:
                 self.kv.remove(s.seq_id, s.pos + 1 + taken)
-        self.sched.update(plan, StepResult(StepStatus.OK, tuple(sampled), parked=parked, restored=restored))
+        self.sched.update(plan, StepResult(StepStatus.OK, tuple(sampled), **applied))
         left = {s.conv: sum(1 for x in sampled if x.conv == s.conv) for s in sampled}
         for s in sampled:
             left[s.conv] -= 1
@@ -195,6 +217,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert donor is not None and donor.n_cached >= n and donor.tokens[:n] == probe[:n]
 
     @invariant()
+    def recurrent_states_follow_their_cells(self) -> None:
+        if self.memory == "kv":
+            return
+        for seq in self.sched.kv.holders():
+            assert seq.seq_id is not None
+            assert self.kv.states.get(seq.seq_id, ()) == tuple(seq.tokens[:seq.n_cached]), \
+                f"seq {seq.seq_id}: its recurrent state is not the one after its {seq.n_cached} cells"
+
+    @invariant()
     def host_memory_stays_within_its_budget(self) -> None:
         assert self.sched.kv.host.used_bytes <= self.sched.kv.host.budget
 
@@ -210,5 +241,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 _empty = Plan()
 
+class HybridMachine(SchedulerMachine):
+    memory = "hybrid"
+
+
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=int(os.environ.get("AIOLLAMA_STATE_EXAMPLES", 150)), stateful_step_count=40, deadline=None)
+TestHybridScheduler = HybridMachine.TestCase
+TestHybridScheduler.settings = TestScheduler.settings

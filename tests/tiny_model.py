@@ -198,7 +198,7 @@ def spm_model(cache: Path) -> Path:
 
 def mamba_model(cache: Path, tokenizer_source: Path) -> Path:
     """The cached tiny Mamba model, written on first use."""
-    path = cache / "tiny-mamba-v1.gguf"
+    path = cache / "tiny-mamba-v2.gguf"
     if not path.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         write_mamba_model(path, tokenizer_source)
@@ -206,7 +206,7 @@ def mamba_model(cache: Path, tokenizer_source: Path) -> Path:
 
 
 def write_mamba_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_embd: int = 64) -> Path:
-    """A tiny random Mamba (recurrent) model, for the engine to refuse."""
+    """A tiny random Mamba: a purely recurrent model (a state per sequence, no KV cells)."""
     fields = copy_tokenizer(tokenizer_source)
     n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
     d_inner, d_conv, d_state, dt_rank = 2 * n_embd, 4, 16, 4
@@ -227,10 +227,10 @@ def write_mamba_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n
     add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
     rng = np.random.default_rng(0)
 
-    def weight(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    def weight(*shape: int, scale: float = 0.3) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
     writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     for i in range(n_layer):
         p = f"blk.{i}."
@@ -245,6 +245,68 @@ def write_mamba_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n
         writer.add_tensor(p + "ssm_d", weight(d_inner))
         writer.add_tensor(p + "ssm_out.weight", weight(n_embd, d_inner))
     finish(writer, tmp, path)
+    return path
+
+
+def write_lfm2_model(path: Path, tokenizer_source: Path, *, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
+                     n_ff: int = 128, l_cache: int = 3, layers: str = "cacc") -> Path:
+    """A tiny random LFM2: a hybrid of short-convolution layers ("c", a recurrent state each) and
+    attention layers ("a"), in llama.cpp's layout (``head_count_kv`` per layer, 0 for a conv layer;
+    the final norm under the name ``token_embd_norm``)."""
+    fields = copy_tokenizer(tokenizer_source)
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
+    head_dim = n_embd // n_head
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), "lfm2")
+    writer.add_name("aiollama tiny hybrid test model")
+    writer.add_block_count(len(layers))
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv([n_head_kv if kind == "a" else 0 for kind in layers])
+    writer.add_uint32("lfm2.shortconv.l_cache", l_cache)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(0)
+    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+    rng = np.random.default_rng(5)
+
+    def weight(*shape: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("token_embd_norm.weight", ones)
+    for i, kind in enumerate(layers):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones)
+        if kind == "a":
+            writer.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd))
+            writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
+            writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
+            writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim))
+        else:
+            writer.add_tensor(p + "shortconv.conv.weight", weight(n_embd, l_cache, scale=0.5))
+            writer.add_tensor(p + "shortconv.in_proj.weight", weight(3 * n_embd, n_embd))
+            writer.add_tensor(p + "shortconv.out_proj.weight", weight(n_embd, n_embd))
+        writer.add_tensor(p + "ffn_norm.weight", ones)
+        writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff))
+    finish(writer, tmp, path)
+    return path
+
+
+def lfm2_model(cache: Path, tokenizer_source: Path) -> Path:
+    """The cached tiny LFM2 (hybrid) model, written on first use."""
+    path = cache / "tiny-lfm2-v1.gguf"
+    if not path.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        write_lfm2_model(path, tokenizer_source)
     return path
 
 

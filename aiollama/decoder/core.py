@@ -57,7 +57,8 @@ class EngineCore:
                                    step_tokens=config.step_tokens, max_running=config.n_seq_max,
                                    host_bytes=config.host_cache_bytes, can_shift=executor.can_shift,
                                    ordered=config.deterministic, draft_model=config.draft_model is not None,
-                                   kv_unified=executor.kv_unified)
+                                   kv_unified=executor.kv_unified, memory=executor.memory,
+                                   checkpoint_bytes=config.checkpoint_bytes)
         self.outbox = Outbox()
         self.generations = Generations(admission, self.outbox, executor.n_ctx)
         self.prefilling: frozenset[int] = frozenset()  # a cancel of these aborts the running decode
@@ -188,6 +189,7 @@ class EngineCore:
             step_seconds=c.step_seconds, step_histogram=tuple(self._step_counts),
             cache_hit_tokens=sched.cache_hit_tokens, parked=len(kv.host), parked_bytes=kv.host.used_bytes,
             parks=kv.parks, restores=kv.restores, evictions=kv.evictions, preemptions=sched.preemptions,
-            compactions=kv.compactions, weights_device=self.executor.placement,
+            compactions=kv.compactions, checkpoints=len(kv.checkpoints), checkpoint_bytes=kv.checkpoints.n_bytes,
+            checkpoints_used=kv.checkpoints.used, weights_device=self.executor.placement,
             kv_device=self.executor.placement)
 

@@ -153,6 +153,9 @@ class Statistics:
     evictions: int = 0  # idle holders that gave cells back
     preemptions: int = 0  # running streams stopped to free cells
     compactions: int = 0  # deterministic mode: the cache re-laid to reclaim freed cells
+    checkpoints: int = 0  # recurrent and hybrid models: checkpoints of recurrent states kept now
+    checkpoint_bytes: int = 0
+    checkpoints_used: int = 0  # states put back from a checkpoint (a rewind, a prefix hit, a failed step)
     weights_device: str = "CPU"  # where the weights are: CPU, CUDA0, or "CUDA0 (20 of 31 layers), CPU"
     kv_device: str = "CPU"  # where the KV cache is (each layer's beside its weights)
 

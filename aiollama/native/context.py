@@ -125,6 +125,10 @@ class Context(Handle, MemoryOps):
         self.n_batch: int = lib.llama_n_batch(ptr)
         self.n_ubatch: int = lib.llama_n_ubatch(ptr)
         self.n_seq_max: int = lib.llama_n_seq_max(ptr)
+        if self.n_seq_max > self.n_batch and not embeddings:
+            self.close()  # llama.cpp reserves an output row per sequence within the batch's: it would abort
+            raise ContextCreateError(f"n_seq_max ({self.n_seq_max}) exceeds the batch ({self.n_batch}, at most "
+                                     "n_ctx): give fewer sequences or a larger batch and context")
         self.kv_unified = kv_unified
         self.embeddings = embeddings
         self.n_vocab = self.vocab.n_tokens

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from aiollama.errors import InvalidRequestError, StateRestoreError
 from aiollama.native.binding import ffi, lib
 
+PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the recurrent (or sliding-window) part of a state
+
 
 class MemoryOps:
     """The memory operations of a context (a mixin of :class:`~aiollama.native.context.Context`,
@@ -86,22 +88,25 @@ class MemoryOps:
         self._get()
         return int(lib.llama_memory_seq_pos_max(self._mem(), self._check_seq(seq_id)))
 
-    def seq_state(self, seq_id: int) -> bytes:
-        """The KV state of one sequence, to restore later with :meth:`set_seq_state`."""
+    def seq_state(self, seq_id: int, *, partial: bool = False) -> bytes:
+        """The KV state of one sequence, to restore later with :meth:`set_seq_state`. ``partial``:
+        only the recurrent state of a recurrent or hybrid model (a checkpoint), not its KV cells."""
         ptr = self._get()
         self._check_seq(seq_id)
         if lib.llama_memory_seq_pos_max(self._mem(), seq_id) < 0:
             return b""
-        size = lib.llama_state_seq_get_size(ptr, seq_id)
+        flags = PARTIAL_ONLY if partial else 0
+        size = lib.llama_state_seq_get_size_ext(ptr, seq_id, flags)
         buf = ffi.new("uint8_t[]", size)
-        n = lib.llama_state_seq_get_data(ptr, buf, size, seq_id)
+        n = lib.llama_state_seq_get_data_ext(ptr, buf, size, seq_id, flags)
         return bytes(ffi.buffer(buf, n))
 
-    def set_seq_state(self, seq_id: int, state: bytes) -> None:
-        """Replace ``seq_id``'s cache with a saved state. Raises StateRestoreError if it does not fit."""
+    def set_seq_state(self, seq_id: int, state: bytes, *, partial: bool = False) -> None:
+        """Replace ``seq_id``'s cache with a saved state (``partial``: only its recurrent state; its
+        KV cells stay). Raises StateRestoreError if it does not fit."""
         ptr = self._get()
         self._check_seq(seq_id)
         if not state:
             raise InvalidRequestError("empty sequence state")
-        if lib.llama_state_seq_set_data(ptr, state, len(state), seq_id) == 0:
+        if lib.llama_state_seq_set_data_ext(ptr, state, len(state), seq_id, PARTIAL_ONLY if partial else 0) == 0:
             raise StateRestoreError(f"could not restore the state of sequence {seq_id} (no room, or another layout)")

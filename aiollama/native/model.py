@@ -91,8 +91,10 @@ class Model(Handle):
         self.n_params: int = lib.llama_model_n_params(ptr)
         self.size: int = lib.llama_model_size(ptr)
         self.n_swa: int = lib.llama_model_n_swa(ptr)  # > 0: a sliding-window attention model
-        # Recurrent and hybrid memories cannot drop the tail of a sequence (seq_rm of a partial range)
-        self.is_recurrent: bool = bool(lib.llama_model_is_recurrent(ptr) or lib.llama_model_is_hybrid(ptr))
+        # Recurrent and hybrid memories cannot drop the tail of a sequence (seq_rm of a partial range):
+        # their recurrent state is only ever the state after a sequence's last position
+        self.is_hybrid: bool = bool(lib.llama_model_is_hybrid(ptr))
+        self.is_recurrent: bool = self.is_hybrid or bool(lib.llama_model_is_recurrent(ptr))
 
     # Lifetime: _ptr is the caller's view (None once closed); _native is freed only when the
     # caller has closed the model and no dependent handle holds it any more.

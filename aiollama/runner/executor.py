@@ -35,6 +35,7 @@ from aiollama.runner.sampler import Sampling
 from aiollama.runner.tokenizer import VocabTokenizer
 from aiollama.sampling import SamplingParams
 from aiollama.sched.step import (
+    Checkpoint,
     Compact,
     Copy,
     Op,
@@ -66,6 +67,9 @@ def load_model(config: EngineConfig, path: Path) -> Model:
     return Model(path, fitted=fit(path, shape))
 
 
+Applied = dict[str, Any]  # what a plan's KV operations gave: parked, restored and checkpoints (StepResult's fields)
+
+
 def fingerprint(model: Model, cache_types: tuple[str, str] = ("f16", "f16")) -> dict[str, str | int]:
     """What a saved sequence state must match to be put back: the model (its description, sizes and
     vocabulary) and the layout of its cache (the element types of its keys and values)."""
@@ -79,6 +83,21 @@ def fingerprint(model: Model, cache_types: tuple[str, str] = ("f16", "f16")) -> 
             "kv": f"{'f16' if cache_types == ('f16', 'f16') else '/'.join(cache_types)},unified"}
 
 
+def check_recurrent(config: EngineConfig, name: str) -> None:
+    """A recurrent or hybrid model runs with checkpoints (see :mod:`aiollama.sched.checkpoints`),
+    but not in the modes that need to drop any tail of a sequence at any time. Raises
+    UnsupportedModel."""
+    if config.deterministic:
+        raise UnsupportedModel(f"{name} is a recurrent or hybrid model: the deterministic mode re-lays "
+                               "KV cells in position order, which a recurrent state does not have")
+    if config.draft_model is not None or config.draft_tokens:
+        raise UnsupportedModel(f"{name} is a recurrent or hybrid model: rejected draft tokens cannot be "
+                               "dropped from its recurrent state (no draft_model, draft_tokens=0)")
+    if not config.kv_unified:
+        raise UnsupportedModel(f"{name} is a recurrent or hybrid model: it shares prefixes only in a "
+                               "unified cache (kv_unified=True)")
+
+
 class NativeExecutor:
     """:class:`~aiollama.sched.step.Executor` over llama.cpp. Build it on the thread that will use it.
 
@@ -90,10 +109,9 @@ class NativeExecutor:
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
         with contextlib.ExitStack() as stack:
             self.model: Model = stack.enter_context(load_model(config, model_path))
-            if self.model.is_recurrent:
-                raise UnsupportedModel(
-                    f"{model_path.name} is a recurrent or hybrid model; its memory cannot drop the end "
-                    "of a sequence, which this engine needs to share prefixes, preempt and cancel")
+            self.recurrent = self.model.is_recurrent
+            if self.recurrent:
+                check_recurrent(config, model_path.name)
             self.embeds_only = is_embedding_model(self.model)
             self._embedder: Embedder | None = None
             if self.embeds_only:  # no KV cache, no generation: the embeddings context is the context
@@ -104,7 +122,8 @@ class NativeExecutor:
                 # deterministic: every row computed by the same kernels whatever the batch holds,
                 # and attention summed cell by cell (flash attention's reference path), each
                 # sequence's cells in position order (aiollama.runner.ordered: one more seq id)
-                ids = config.context_seq_ids(self.model.vocab.n_tokens)
+                # each seq id takes an output row, and llama.cpp has n_batch of them (at most n_ctx)
+                ids = min(config.context_seq_ids(self.model.vocab.n_tokens), config.n_batch, config.n_ctx)
                 if config.deterministic:
                     ids = min(ids, MAX_SEQ - 1) + 1
                 self.ctx = stack.enter_context(Context(
@@ -136,7 +155,11 @@ class NativeExecutor:
         # a split cache: each seq id's cells are its own, n_ctx_seq of them
         self.n_cells = self.ctx.n_ctx if self.ctx.kv_unified else self.ctx.n_ctx_seq * self.n_seq_max
         self.kv_unified = self.ctx.kv_unified
-        self.can_shift = self.ctx.can_shift
+        # a recurrent state cannot move positions: a full context is evaluated again instead
+        self.can_shift = self.ctx.can_shift and not self.recurrent
+        self.memory = "kv" if not self.recurrent else "hybrid" if self.model.is_hybrid else "recurrent"
+        if self.memory == "recurrent":
+            self.n_cells = self.ctx.n_ctx_seq * self.n_seq_max  # no KV cells: only seq ids are scarce
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model, (config.cache_type_k, config.cache_type_v))
         self.sampling = Sampling(self.ctx, self.vocab, backend=config.backend_sampling and not self.embeds_only,
                                  gpu_decodes=self._gpu_decodes)
@@ -160,9 +183,9 @@ class NativeExecutor:
         self.sampling.stop(conv)
 
     def execute(self, plan: Plan, on_decode: Callable[[], None] | None = None) -> StepResult:
-        parked, restored = self._apply(plan.ops)
+        applied = self._apply(plan.ops)
         if not plan.slices:
-            return StepResult(StepStatus.OK, parked=parked, restored=restored)
+            return StepResult(StepStatus.OK, **applied)
         if plan.lora != self._lora_now:
             self.ctx.set_adapters([(self._loras[name], scale) for name, scale in plan.lora])
             self._lora_now = plan.lora
@@ -209,15 +232,15 @@ class NativeExecutor:
                 chosen = self._verify(chosen, outputs, drafts, failed)
             sampled = tuple(x for got in chosen for x in got)
             scored = {s.conv: self.sampling.score(s, last) for s, last in scoring}
-            return StepResult(StepStatus.OK, sampled, decode_seconds=elapsed, parked=parked, restored=restored,
+            return StepResult(StepStatus.OK, sampled, decode_seconds=elapsed, **applied,
                               failed=failed, drafted=drafted, scored=scored)
         if status is DecodeStatus.NO_KV_SLOT:
-            return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, parked=parked, restored=restored)
+            return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, **applied)
         # ABORTED and failures keep the ubatches computed before them: say what the context holds
         n_cached = {s.conv: self.ctx.seq_pos_max(s.seq_id) + 1 for s in plan.slices}
         kind = StepStatus.ABORTED if status is DecodeStatus.ABORTED else StepStatus.FAILED
         return StepResult(kind, n_cached=n_cached, decode_seconds=elapsed, detail=f"llama_decode: {status.name}",
-                          parked=parked, restored=restored)
+                          **applied)
 
     @staticmethod
     def _model_drafts(drafter: Drafter, slices: Sequence[Slice]) -> tuple[tuple[Slice, ...], dict[int, int]]:
@@ -233,9 +256,10 @@ class NativeExecutor:
     def _decode(self, batch: Batch, on_decode: Callable[[], None] | None) -> DecodeStatus:
         return self.ctx.decode(batch, on_decode)
 
-    def _apply(self, ops: Sequence[Op]) -> tuple[dict[int, bytes], dict[int, bool]]:
+    def _apply(self, ops: Sequence[Op]) -> Applied:
         parked: dict[int, bytes] = {}
         restored: dict[int, bool] = {}
+        checkpoints: dict[int, bytes] = {}
         for op in ops:
             if isinstance(op, Remove):
                 self._remove(op.seq_id, op.p0, -1)
@@ -250,12 +274,16 @@ class NativeExecutor:
                 self.ctx.seq_add(op.seq_id, op.p0 + op.n, -1, -op.n)
             elif isinstance(op, Park):
                 parked[op.key] = self.read_state(op.seq_id)
+            elif isinstance(op, Checkpoint):
+                checkpoints[op.key] = self.ctx.seq_state(op.seq_id, partial=True)
             elif isinstance(op, Restore):
-                restored[op.seq_id] = self.write_state(op.seq_id, op.data)
+                restored[op.seq_id] = ok = self.write_state(op.seq_id, op.data, partial=op.partial)
+                if op.partial and not ok:
+                    self._remove(op.seq_id, 0, -1)  # cells without their state: nothing
             elif isinstance(op, Compact):
                 assert self._order is not None
                 self._order.compact(op.relays)
-        return parked, restored
+        return {"parked": parked, "restored": restored, "checkpoints": checkpoints}
 
     def _remove(self, seq_id: int, p0: int, p1: int) -> None:
         if self._order is not None:
@@ -271,18 +299,19 @@ class NativeExecutor:
             self._embedder = Embedder(self.model, n_threads=self._threads)
         return self._embedder.embed(texts, normalize)
 
-    def write_state(self, seq_id: int, data: bytes) -> bool:
+    def write_state(self, seq_id: int, data: bytes, *, partial: bool = False) -> bool:
         if self.embeds_only:
             return False
         try:
-            # a state saved from a cache of another layout (unified, or split in another number of
-            # seq ids) names another number of streams
-            data = seqstate.restream(data, 1 if self.ctx.kv_unified else self.ctx.n_seq_max)
+            if not self.recurrent:
+                # a state saved from a cache of another layout (unified, or split in another number
+                # of seq ids) names another number of streams
+                data = seqstate.restream(data, 1 if self.ctx.kv_unified else self.ctx.n_seq_max)
             if self._order is not None:
                 data = seqstate.ordered(data)  # a state saved elsewhere may hold its cells out of order
                 if not data:
                     return False
-            self.ctx.set_seq_state(seq_id, data)
+            self.ctx.set_seq_state(seq_id, data, partial=partial)
         except (StateRestoreError, seqstate.StateFormatError):
             return False  # llama.cpp left the sequence empty
         return True

@@ -19,13 +19,17 @@ would take its next token out of order. So the executor never frees a cell; it h
 tombstone sequence instead, and this manager counts those ``holes``. When the cells a step or a
 restore needs are free only once the holes are reclaimed, it asks for a :class:`Compact`: the
 cache is re-laid, prefixes still shared, and the holes are free again.
+
+A recurrent or hybrid model's rules are :class:`~aiollama.sched.recurrent.RecurrentKV`'s.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
+from aiollama.sched.checkpoints import CheckpointStore
 from aiollama.sched.hostcache import HostCache, Parked
 from aiollama.sched.kvtree import KVCells, Span
 from aiollama.sched.sequence import Phase, SeqState, unique_cells
@@ -41,6 +45,7 @@ class KVManager:
     def __init__(self, n_cells: int, n_seq_max: int, host: HostCache | None = None, *,
                  ordered: bool = False) -> None:
         self.cells = KVCells(n_cells)
+        self.checkpoints = CheckpointStore(0)  # recurrent states' (see aiollama.sched.recurrent)
         self.ordered = ordered
         self.holes = 0  # ordered: cells released here that the context still holds (tombstones)
         self.compactions = 0
@@ -106,8 +111,7 @@ class KVManager:
             self._remove_all(seq)
             del self._holders[seq.seq_id]
             self.n_entries -= seq.entry
-            self._free_ids.append(seq.seq_id)
-            self._free_ids.sort(reverse=True)
+            bisect.insort(self._free_ids, seq.seq_id, key=lambda i: -i)  # kept in descending order
         self._set_tail(seq, None)
         seq.seq_id = None
         seq.restoring = False
@@ -210,7 +214,7 @@ class KVManager:
         else:
             self.truncate(seq, keep)
             if seq.entry:
-                del seq.tokens[keep:]
+                del seq.tokens[seq.n_cached:]
 
     def park(self, seq: SeqState) -> None:
         """Copy ``seq``'s cells to host memory (the bytes come with the step's result)."""

@@ -23,7 +23,9 @@ than a few lines:
    rows fill the budget). A long prompt therefore never freezes running streams, and a step holds at
    most ``max(step_tokens, decode rows + MIN_PREFILL_CHUNK)`` tokens, never more than ``n_batch``.
    Histories that filled the context shift first (:mod:`~aiollama.sched.shifting`); drafting streams
-   get drafts (:mod:`~aiollama.sched.drafting`).
+   get drafts (:mod:`~aiollama.sched.drafting`). With a recurrent or hybrid model a prompt's last
+   token waits for the next step, so that a checkpoint can be taken before it
+   (:mod:`~aiollama.sched.checkpoints`).
 4. Room for the slices (:mod:`~aiollama.sched.room`): drafts, idle holders, prompt chunks, then
    preemption of the newest stream of the lowest priority.
 5. Lockstep of classifier-free guidance pairs (:mod:`~aiollama.sched.lockstep`).
@@ -35,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from aiollama.errors import ContextFull, InvalidRequestError
+from aiollama.sched.checkpoints import CheckpointStore
 from aiollama.sched.drafting import add_drafts
 from aiollama.sched.hostcache import HostCache
 from aiollama.sched.idle import trim_idle
@@ -42,6 +45,7 @@ from aiollama.sched.kvcache import KVManager
 from aiollama.sched.kvtree import common_prefix
 from aiollama.sched.lockstep import lockstep
 from aiollama.sched.queues import AGING_SECONDS, Queues
+from aiollama.sched.recurrent import RecurrentKV
 from aiollama.sched.room import fit
 from aiollama.sched.sequence import Phase, SeqState
 from aiollama.sched.sharing import follow, share_prefix
@@ -64,11 +68,15 @@ class Scheduler(Queues):
     :mod:`aiollama.sched.kvcache`). ``kv_unified``: one pool of cells for every seq id, over which each
     step's attention passes (idle cells are then given back under load). ``draft_model``: drafting streams leave their drafts to the
     executor's draft model (the slice says how many tokens it may add) instead of n-grams.
+    ``memory``: "kv", or "hybrid" and "recurrent" for models with recurrent states, which are
+    checkpointed in host memory within ``checkpoint_bytes`` (see :mod:`~aiollama.sched.kvcache`);
+    they decode without n-gram drafts.
     """
 
     def __init__(self, *, n_ctx: int, n_seq_max: int, n_batch: int, step_tokens: int, n_cells: int | None = None,
                  max_running: int | None = None, host_bytes: int = 0, can_shift: bool = True,
                  ordered: bool = False, draft_model: bool = False, kv_unified: bool = False,
+                 memory: str = "kv", checkpoint_bytes: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
@@ -76,10 +84,13 @@ class Scheduler(Queues):
         self.n_batch = n_batch
         self.step_tokens = min(step_tokens, n_batch)
         self.max_running = min(max_running or n_seq_max, n_seq_max)
-        self.can_shift = can_shift  # the memory can move positions (seq_add)
+        self.can_shift = can_shift and memory == "kv"  # the memory can move positions (seq_add)
         self.draft_model = draft_model  # drafts come from the executor's draft model, not n-grams
         # n_ctx: what one sequence can hold; n_cells: the cells of all (n_ctx in a unified cache)
-        super().__init__(KVManager(n_cells or n_ctx, n_seq_max, HostCache(host_bytes), ordered=ordered), clock)
+        kv = KVManager(n_cells or n_ctx, n_seq_max, HostCache(host_bytes), ordered=ordered) if memory == "kv" \
+            else RecurrentKV(n_cells or n_ctx, n_seq_max, HostCache(host_bytes),
+                             checkpoints=CheckpointStore(checkpoint_bytes), cells_held=memory == "hybrid")
+        super().__init__(kv, clock)
         self.cache_hit_tokens = 0  # tokens an admission did not have to evaluate
         self._admitted: list[int] = []
         self._shifted: list[tuple[int, int, int]] = []
@@ -112,7 +123,7 @@ class Scheduler(Queues):
             del seq.tokens[n_keep:n_keep + n]
             dropped = (n_keep, n)
         seq.n_keep = n_keep
-        seq.draft = DraftLength(draft) if draft > 0 and partner is None else None
+        seq.draft = DraftLength(draft) if draft > 0 and partner is None and not isinstance(self.kv, RecurrentKV) else None
         seq.prompt_tokens, seq.cached_tokens, seq.preemptions, seq.restores = -1, 0, 0, 0
         seq.prompt_evaluated, seq.score = 0, score
         seq.priority, seq.queued_at, seq.preempted = priority, self._clock(), False
@@ -186,11 +197,16 @@ class Scheduler(Queues):
         NO_KV_SLOT that nothing could be freed for."""
         for key, data in result.parked.items():
             self.kv.host.fill(key, data)
+        for key, data in result.checkpoints.items():
+            self.kv.checkpoints.fill(key, data)
         for seq in self.kv.holders():
-            if seq.restoring:
-                self.kv.restored(seq, result.restored.get(seq.seq_id or 0, False))
+            ok = result.restored.get(seq.seq_id or 0)
+            if seq.restoring or ok is False:  # a parked state put back, or a checkpoint that was not
+                self.kv.restored(seq, bool(ok))
         if result.status is StepStatus.OK:
             record(self.kv, self._seqs, plan, result)
+            if isinstance(self.kv, RecurrentKV):
+                self.kv.after_step(plan, self._seqs)
             return True
         if result.status is StepStatus.NO_KV_SLOT:
             return self.make_room()
@@ -271,6 +287,8 @@ class Scheduler(Queues):
                 assert seq.seq_id is not None
                 pos = seq.n_cached
                 take = min(seq.pending, budget)
+                if take == seq.pending > 1 and isinstance(self.kv, RecurrentKV) and self.kv.checkpoints.enabled and not seq.score:
+                    take -= 1  # the last token next step, after a checkpoint of the state before it
                 slices.append(Slice(seq.conv, seq.seq_id, pos, tuple(seq.tokens[pos:pos + take]),
                                     take == seq.pending, history=seq.tokens if seq.score else (),
                                     score=seq.score))

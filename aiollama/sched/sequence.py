@@ -34,6 +34,7 @@ class SeqState:
     score: bool = False  # its generation scores the prompt: evaluate it whole, every row's logits
     lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters (name, scale): decoded only beside the same
     restoring: bool = False  # a parked state is being put back this step: no tokens for it yet
+    checkpoint_at: int = 0  # recurrent: where its last checkpoint was taken (or it started from one)
     n_keep: int | None = None  # context shift: keep this many first tokens; None: no shift
     draft: DraftLength | None = None  # n-gram speculation for the current generation; None: none
     priority: int = 0  # of the current generation: lower values are admitted, evaluated and kept first

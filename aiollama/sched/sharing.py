@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from aiollama.sched.kvcache import KVManager
 from aiollama.sched.kvtree import common_prefix
+from aiollama.sched.recurrent import RecurrentKV
 from aiollama.sched.sequence import Phase, SeqState
 
 # Sharing a prefix that is still being prefilled is worth waiting for only if it saves this much.
@@ -22,6 +23,9 @@ def share_prefix(kv: KVManager, seq: SeqState, running: Iterable[SeqState]) -> N
     """Share the longest cached prefix of ``seq``, restore a parked one, or arrange to follow a
     running sequence that is prefilling a longer one."""
     limit = len(seq.tokens) - 1  # at least one token must be evaluated for logits
+    if isinstance(kv, RecurrentKV):
+        share_state(kv, seq, limit)
+        return
     best, best_n = kv.find(seq.tokens, limit, seq.salt)
     best_n = max(best_n, seq.n_cached)
     parked, parked_n = kv.host.best(seq.tokens, limit, seq.salt)
@@ -42,6 +46,23 @@ def share_prefix(kv: KVManager, seq: SeqState, running: Iterable[SeqState]) -> N
             lead, lead_n = other, n
     if lead is not None and lead_n >= seq.n_cached + MIN_SHARED_WAIT:
         seq.follow = (lead, lead_n)
+
+
+def share_state(kv: RecurrentKV, seq: SeqState, limit: int) -> None:
+    """Recurrent: start from the most of ``seq``'s first ``limit`` tokens that a whole holder, a
+    checkpoint or a whole parked state gives (a parked state is put back whole or not at all). A
+    leader still prefilling is not followed: its state passes the common prefix within a step."""
+    donor, n, saved = kv.find_state(seq.tokens, limit, seq.salt)
+    best_n = max(n, seq.n_cached)
+    parked, parked_n = kv.host.best(seq.tokens, limit, seq.salt)
+    if parked is not None and parked_n == len(parked.tokens) and parked_n - best_n >= MIN_RESTORE_GAIN \
+            and kv.free_cells(parked_n + 1):
+        if seq.kv is not None:
+            kv.truncate(seq, 0)
+        kv.restore(seq, parked, parked_n)
+        return
+    if n > seq.n_cached and donor is not seq:
+        kv.share_state(seq, donor, n, saved)
 
 
 def follow(kv: KVManager, seq: SeqState) -> tuple[bool, int]:

@@ -54,10 +54,23 @@ class Park:
 
 @dataclass(frozen=True)
 class Restore:
-    """Put a parked state back into ``seq_id`` (which holds nothing); the result says if it fit."""
+    """Put a parked state back into ``seq_id`` (which holds nothing); the result says if it fit.
+    ``partial``: a checkpoint, only the recurrent state of a recurrent or hybrid model; the KV cells
+    ``seq_id`` holds stay (a ``Remove`` from the checkpoint's position usually follows)."""
 
     seq_id: int
     data: bytes = field(repr=False)
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Copy the recurrent state of ``seq_id`` (a recurrent or hybrid model) out to host memory,
+    under ``key``: the state after its last position, to put back when it rewinds there or a prefix
+    hit ends there."""
+
+    seq_id: int
+    key: int
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,7 @@ class Compact:
     relays: tuple[Relay, ...]
 
 
-Op = Remove | Copy | Shift | Park | Restore | Compact
+Op = Remove | Copy | Shift | Park | Restore | Checkpoint | Compact
 
 
 @dataclass(frozen=True)
@@ -180,6 +193,7 @@ class StepResult:
     drafted: Mapping[int, int] = field(default_factory=dict)  # conv -> tokens the draft model offered
     # conv -> (position, the token after it, its log-probability, the top alternatives, its rank) of scored rows
     scored: Mapping[int, tuple[Scored, ...]] = field(default_factory=dict)
+    checkpoints: Mapping[int, bytes] = field(default_factory=dict)  # Checkpoint key -> the state copied out
 
 
 class Executor(Protocol):
@@ -193,6 +207,10 @@ class Executor(Protocol):
     n_ctx: int  # the tokens one conversation can hold
     n_cells: int  # the KV cells of all seq ids together (n_ctx in a unified cache)
     kv_unified: bool  # one pool of cells for every seq id: each step's attention passes over all used ones
+    # "kv"; "hybrid" (KV cells and a recurrent state per sequence) or "recurrent" (the state only): a
+    # recurrent state is the state after a sequence's last position, so a sequence cannot drop a
+    # tail (Remove from p0 > 0) unless a Checkpoint of the state there is put back first
+    memory: str
     placement: str  # where the weights and the KV cache are: CPU, CUDA0, or "CUDA0 (20 of 31 layers), CPU"
     n_seq_max: int
     n_batch: int

@@ -48,6 +48,8 @@ class EngineCollector(Collector):
             ("cache_entries", "Prefixes of closed conversations kept in the KV cache", s.cache_entries),
             ("host_parked", "Sequence states parked in host memory", s.parked),
             ("host_parked_bytes", "Bytes of sequence states parked in host memory", s.parked_bytes),
+            ("checkpoints", "Checkpoints of recurrent states kept in host memory", s.checkpoints),
+            ("checkpoint_bytes", "Bytes of checkpoints of recurrent states", s.checkpoint_bytes),
         ]:
             yield GaugeMetricFamily(f"aiollama_{name}", help_text, value=value)
         for name, help_text, value in [
@@ -58,6 +60,7 @@ class EngineCollector(Collector):
              s.cache_hit_tokens),
             ("parks", "Sequence states copied out to host memory", s.parks),
             ("restores", "Sequence states put back from host memory", s.restores),
+            ("checkpoints_used", "Recurrent states put back from a checkpoint", s.checkpoints_used),
             ("evictions", "Idle holders that gave KV cells back", s.evictions),
             ("preemptions", "Running generations stopped to free KV cells", s.preemptions),
         ]:
