@@ -88,7 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(args.model, model_name=args.model_name, api_keys=keys, limits=limits,
                      public_metrics=args.public_metrics, n_ctx=serve_n_ctx(args), n_seq_max=args.n_seq_max,
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
-                     host_cache_bytes=args.host_cache_mib << 20, draft_tokens=args.draft_tokens,
+                     host_cache_bytes=args.host_cache_mib << 20, checkpoint_bytes=args.checkpoint_mib << 20,
+                     draft_tokens=args.draft_tokens,
                      draft_model=args.draft_model, deterministic=args.deterministic,
                      backend_sampling=args.backend_sampling, kv_unified=args.unified_cache,
                      cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, flash_attn=args.flash_attn,
@@ -123,7 +124,8 @@ def _serve_replicas(args: argparse.Namespace) -> int:
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
     serve.start(http_options={"host": args.host, "port": args.port})
     options = {"n_ctx": serve_n_ctx(args), "max_queued": args.max_queued, "n_gpu_layers": args.n_gpu_layers,
-               "host_cache_bytes": args.host_cache_mib << 20, "draft_tokens": args.draft_tokens,
+               "host_cache_bytes": args.host_cache_mib << 20, "checkpoint_bytes": args.checkpoint_mib << 20,
+               "draft_tokens": args.draft_tokens,
                "deterministic": args.deterministic, "backend_sampling": args.backend_sampling,
                "kv_unified": args.unified_cache, "cache_type_k": args.cache_type_k,
                "cache_type_v": args.cache_type_v, "flash_attn": args.flash_attn}
@@ -229,6 +231,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: the CPUs this process may use)")
     serve.add_argument("--host-cache-mib", type=int, default=EngineConfig.host_cache_bytes >> 20,
                        help="host memory for parked KV states, MiB (0: off)")
+    serve.add_argument("--checkpoint-mib", type=int, default=EngineConfig.checkpoint_bytes >> 20,
+                       help="host memory for checkpoints of a recurrent or hybrid model's states, MiB (0: off)")
     serve.add_argument("--n-gpu-layers", "-ngl", type=_layers, default=EngineConfig.n_gpu_layers,
                        help="layers on the GPU: auto (as many as fit, with llama.cpp's own fitting), N, or -1 "
                             "for all; 0 keeps everything on the CPU (default: auto)")

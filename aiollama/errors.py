@@ -16,7 +16,7 @@ already catches those keeps working::
     ├── ModelLoadError              the model could not be loaded (also ValueError)
     │   ├── ModelNotFound               no file at the path (also FileNotFoundError)
     │   ├── ModelIsADirectory           the path is a folder (also IsADirectoryError)
-    │   └── UnsupportedModel            a model this engine cannot serve (recurrent, hybrid)
+    │   └── UnsupportedModel            a model this engine cannot serve in the mode asked
     ├── ContextCreateError          llama.cpp could not create a context (out of memory...)
     ├── StateRestoreError           a saved sequence state does not fit this context
     ├── InvalidRequestError         bad input, refused before it reaches llama.cpp (also ValueError)
@@ -94,8 +94,9 @@ class ModelIsADirectory(ModelLoadError, IsADirectoryError):
 
 
 class UnsupportedModel(ModelLoadError):
-    """A model the engine cannot serve, such as a recurrent or hybrid one, whose memory cannot drop
-    the tail of a sequence (which preemption, prefix sharing and cancellation rely on)."""
+    """A model the engine cannot serve in the mode asked: a recurrent or hybrid one in the
+    deterministic mode or with drafts (its memory cannot drop a rejected draft), a sliding-window
+    one in the deterministic mode."""
 
 
 class ContextCreateError(AiollamaError):

@@ -18,6 +18,7 @@ import anyio
 import pytest
 from fake_executor import FakeExecutor, solo_tokens
 from helpers import gather, wait_for
+from server_process import Server
 from test_engine_fake import GREEDY, Fakes, engine_of, every_third, prompt
 from tiny_model import lfm2_model, mamba_model
 
@@ -188,10 +189,45 @@ async def test_preempted_streams_of_a_hybrid_model_give_what_they_give_alone(smo
             assert engine.statistics().preemptions > 0
 
 
-@pytest.mark.parametrize("options", [dict(deterministic=True), dict(draft_tokens=4), dict(kv_unified=False)],
-                         ids=["deterministic", "drafts", "split-cache"])
+@pytest.mark.parametrize("options", [dict(deterministic=True), dict(draft_tokens=4)], ids=["deterministic", "drafts"])
 async def test_what_a_recurrent_state_cannot_do_is_refused(recurrent_path: Path, options: dict[str, Any]) -> None:
     with pytest.raises(UnsupportedModel, match="recurrent or hybrid"):
         async with Engine(recurrent_path, n_ctx=256, **options):
             pass
 
+
+async def test_a_split_cache_asked_for_is_one_cache_that_shares_whole_states(recurrent_path: Path) -> None:
+    async with Engine(recurrent_path, n_ctx=1024, kv_unified=False) as engine:
+        conv = engine.conversation(PROMPT)
+        first = await conv.stream(**SOLO)
+        fork = conv.fork()
+        fork.prompt([504])
+        out = await fork.stream(**SOLO)
+        assert out.tokens == await fresh(engine, PROMPT + first.tokens + [504], "a")
+        assert out.stats is not None and out.stats.cached_tokens == len(PROMPT) + len(first.tokens) - 1
+
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the OpenAI client's
+async def test_a_served_hybrid_model_evaluates_only_each_new_turn(smollm2_path: Path) -> None:
+    """Over HTTP, as an OpenAI client sends a chat: the whole history each turn. The history's reply
+    is rendered by the template, so a turn starts from the checkpoint before the last prompt's end
+    or from the whole state of the conversation before it."""
+    path = lfm2_model(aiollama.cache_dir() / "test-models", smollm2_path)
+    server = Server(path, "--n-ctx", "4096", "--n-seq-max", "4", "--model-name", "tiny", "--log-level", "warning")
+    try:
+        messages: list[dict[str, str]] = [{"role": "system", "content": "Answer briefly."}]
+        usages = []
+        async with server.client() as client:
+            for question in ("Name a sea.", "And a mountain?", "And a river?"):
+                messages.append({"role": "user", "content": question})
+                reply = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                                             temperature=0)
+                messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+                usages.append(reply.usage)
+        for before, after in zip(usages, usages[1:]):
+            cached = after.prompt_tokens_details.cached_tokens
+            assert cached >= before.prompt_tokens - 1, (before, after)
+            assert after.prompt_tokens - cached < 40
+    finally:
+        server.stop()

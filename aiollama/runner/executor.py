@@ -10,6 +10,7 @@ and what a token means for its stream are the scheduler's and the generations' b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -83,19 +84,20 @@ def fingerprint(model: Model, cache_types: tuple[str, str] = ("f16", "f16")) -> 
             "kv": f"{'f16' if cache_types == ('f16', 'f16') else '/'.join(cache_types)},unified"}
 
 
-def check_recurrent(config: EngineConfig, name: str) -> None:
-    """A recurrent or hybrid model runs with checkpoints (see :mod:`aiollama.sched.checkpoints`),
-    but not in the modes that need to drop any tail of a sequence at any time. Raises
-    UnsupportedModel."""
+def recurrent_config(config: EngineConfig, name: str) -> EngineConfig:
+    """The settings a recurrent or hybrid model runs with: checkpoints (see
+    :mod:`aiollama.sched.checkpoints`) in a unified cache (a split cache copies a whole sequence
+    where a prefix is shared and cuts the copy after it, which a recurrent state cannot follow).
+    Raises UnsupportedModel for the modes that drop the tail of a sequence at any time."""
     if config.deterministic:
         raise UnsupportedModel(f"{name} is a recurrent or hybrid model: the deterministic mode re-lays "
                                "KV cells in position order, which a recurrent state does not have")
     if config.draft_model is not None or config.draft_tokens:
         raise UnsupportedModel(f"{name} is a recurrent or hybrid model: rejected draft tokens cannot be "
                                "dropped from its recurrent state (no draft_model, draft_tokens=0)")
-    if not config.kv_unified:
-        raise UnsupportedModel(f"{name} is a recurrent or hybrid model: it shares prefixes only in a "
-                               "unified cache (kv_unified=True)")
+    if config.kv_unified:
+        return config
+    return dataclasses.replace(config, kv_unified=True, cache_seq_ids=None)  # the unified default of ids
 
 
 class NativeExecutor:
@@ -111,7 +113,7 @@ class NativeExecutor:
             self.model: Model = stack.enter_context(load_model(config, model_path))
             self.recurrent = self.model.is_recurrent
             if self.recurrent:
-                check_recurrent(config, model_path.name)
+                config = recurrent_config(config, model_path.name)
             self.embeds_only = is_embedding_model(self.model)
             self._embedder: Embedder | None = None
             if self.embeds_only:  # no KV cache, no generation: the embeddings context is the context
