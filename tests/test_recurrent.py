@@ -6,7 +6,7 @@ same history gives.
 
 First against the fake executor with a hybrid memory (``fake_kv`` asserts llama.cpp's rules at every
 operation and every decode), then on tiny models written with gguf: an LFM2 (short convolutions
-beside attention: a hybrid) and a Mamba (purely recurrent)."""
+beside attention), a Jamba (Mamba beside attention) and a Mamba (purely recurrent)."""
 
 from __future__ import annotations
 
@@ -121,10 +121,13 @@ async def test_a_cancelled_prefill_leaves_no_half_computed_state() -> None:
 # tiny models
 
 
-@pytest.fixture(scope="module", params=["lfm2", "mamba"])
+@pytest.fixture(scope="module", params=["lfm2", "jamba", "mamba"])
 def recurrent_path(request: pytest.FixtureRequest, smollm2_path: Path) -> Path:
-    write = lfm2_model if request.param == "lfm2" else mamba_model
-    return write(aiollama.cache_dir() / "test-models", smollm2_path)
+    """A hybrid of short convolutions and attention, one of Mamba and attention, a pure Mamba."""
+    cache = aiollama.cache_dir() / "test-models"
+    if request.param == "lfm2":
+        return lfm2_model(cache, smollm2_path)
+    return mamba_model(cache, smollm2_path, layers="mama" if request.param == "jamba" else "mm")
 
 
 PROMPT = [1, 504, 3426, 314, 3599, 284, 260, 2116] * 5

@@ -12,6 +12,7 @@ turn markers are control tokens.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,14 @@ def add_fields(writer: GGUFWriter, fields: dict[str, object]) -> None:
             writer.add_bool(key, value)
         else:
             writer.add_uint32(key, int(value))  # type: ignore[call-overload]
+
+
+def cached(path: Path, write: Callable[[Path], object]) -> Path:
+    """``path``, written by ``write`` on first use."""
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    return path
 
 
 def finish(writer: GGUFWriter, tmp: Path, path: Path) -> None:
@@ -196,28 +205,33 @@ def spm_model(cache: Path) -> Path:
     return path
 
 
-def mamba_model(cache: Path, tokenizer_source: Path) -> Path:
-    """The cached tiny Mamba model, written on first use."""
-    path = cache / "tiny-mamba-v2.gguf"
-    if not path.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        write_mamba_model(path, tokenizer_source)
-    return path
+def mamba_model(cache: Path, tokenizer_source: Path, *, layers: str = "mm") -> Path:
+    """The cached tiny Mamba model (``layers`` "m" each), or with attention layers among them ("a")
+    a Jamba: Mamba beside attention, a hybrid. Written on first use."""
+    path = cache / ("tiny-mamba-v2.gguf" if layers == "mm" else f"tiny-jamba-v1-{layers}.gguf")
+    return cached(path, lambda p: write_mamba_model(p, tokenizer_source, layers=layers))
 
 
-def write_mamba_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_embd: int = 64) -> Path:
-    """A tiny random Mamba: a purely recurrent model (a state per sequence, no KV cells)."""
+def write_mamba_model(path: Path, tokenizer_source: Path, *, layers: str = "mm", n_embd: int = 64,
+                      n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128) -> Path:
+    """A tiny random Mamba: a purely recurrent model (a state per sequence, no KV cells). With
+    attention layers ("a" in ``layers``) a Jamba instead, in llama.cpp's layout: ``head_count_kv``
+    per layer (0 for a Mamba layer), norms of dt, B and C, and a feed-forward block in every layer."""
     fields = copy_tokenizer(tokenizer_source)
     n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
     d_inner, d_conv, d_state, dt_rank = 2 * n_embd, 4, 16, 4
+    jamba = "a" in layers
+    head_dim = n_embd // n_head
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    writer = GGUFWriter(str(tmp), "mamba")
+    writer = GGUFWriter(str(tmp), "jamba" if jamba else "mamba")
     writer.add_name("aiollama tiny recurrent test model")
-    writer.add_block_count(n_layer)
+    writer.add_block_count(len(layers))
     writer.add_context_length(4096)
     writer.add_embedding_length(n_embd)
-    writer.add_feed_forward_length(0)
-    writer.add_head_count(0)
+    writer.add_feed_forward_length(n_ff if jamba else 0)
+    writer.add_head_count(n_head if jamba else 0)
+    if jamba:
+        writer.add_head_count_kv([n_head_kv if kind == "a" else 0 for kind in layers])
     writer.add_ssm_conv_kernel(d_conv)
     writer.add_ssm_inner_size(d_inner)
     writer.add_ssm_state_size(d_state)
@@ -230,20 +244,38 @@ def write_mamba_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n
     def weight(*shape: int, scale: float = 0.3) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
     writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
-    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    for i in range(n_layer):
+    writer.add_tensor("output_norm.weight", ones(n_embd))
+    for i, kind in enumerate(layers):
         p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(p + "ssm_in.weight", weight(2 * d_inner, n_embd))
-        writer.add_tensor(p + "ssm_conv1d.weight", weight(d_inner, d_conv))
-        writer.add_tensor(p + "ssm_conv1d.bias", weight(d_inner))
-        writer.add_tensor(p + "ssm_x.weight", weight(dt_rank + 2 * d_state, d_inner))
-        writer.add_tensor(p + "ssm_dt.weight", weight(d_inner, dt_rank))
-        writer.add_tensor(p + "ssm_dt.bias", weight(d_inner))
-        writer.add_tensor(p + "ssm_a", -np.abs(weight(d_inner, d_state)))
-        writer.add_tensor(p + "ssm_d", weight(d_inner))
-        writer.add_tensor(p + "ssm_out.weight", weight(n_embd, d_inner))
+        writer.add_tensor(p + "attn_norm.weight", ones(n_embd))
+        if kind == "a":
+            writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd))
+            writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
+            writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
+            writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim))
+        else:
+            writer.add_tensor(p + "ssm_in.weight", weight(2 * d_inner, n_embd))
+            writer.add_tensor(p + "ssm_conv1d.weight", weight(d_inner, d_conv))
+            writer.add_tensor(p + "ssm_conv1d.bias", weight(d_inner))
+            writer.add_tensor(p + "ssm_x.weight", weight(dt_rank + 2 * d_state, d_inner))
+            writer.add_tensor(p + "ssm_dt.weight", weight(d_inner, dt_rank))
+            writer.add_tensor(p + "ssm_dt.bias", weight(d_inner))
+            writer.add_tensor(p + "ssm_a", -np.abs(weight(d_inner, d_state)))
+            writer.add_tensor(p + "ssm_d", weight(d_inner))
+            writer.add_tensor(p + "ssm_out.weight", weight(n_embd, d_inner))
+            if jamba:
+                writer.add_tensor(p + "ssm_dt_norm.weight", ones(dt_rank))
+                writer.add_tensor(p + "ssm_b_norm.weight", ones(d_state))
+                writer.add_tensor(p + "ssm_c_norm.weight", ones(d_state))
+        if jamba:
+            writer.add_tensor(p + "ffn_norm.weight", ones(n_embd))
+            writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
+            writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
+            writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff))
     finish(writer, tmp, path)
     return path
 
@@ -303,11 +335,7 @@ def write_lfm2_model(path: Path, tokenizer_source: Path, *, n_embd: int = 64, n_
 
 def lfm2_model(cache: Path, tokenizer_source: Path) -> Path:
     """The cached tiny LFM2 (hybrid) model, written on first use."""
-    path = cache / "tiny-lfm2-v1.gguf"
-    if not path.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        write_lfm2_model(path, tokenizer_source)
-    return path
+    return cached(cache / "tiny-lfm2-v1.gguf", lambda p: write_lfm2_model(p, tokenizer_source))
 
 
 def write_bert_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_embd: int = 64,
@@ -360,11 +388,7 @@ def write_bert_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_
 
 def bert_model(cache: Path, tokenizer_source: Path) -> Path:
     """The cached tiny BERT model, written on first use."""
-    path = cache / "tiny-bert-v1.gguf"
-    if not path.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        write_bert_model(path, tokenizer_source)
-    return path
+    return cached(cache / "tiny-bert-v1.gguf", lambda p: write_bert_model(p, tokenizer_source))
 
 
 # A Qwen-style template: tools in a system turn, calls in <tool_call> tags, tool results as
