@@ -86,6 +86,18 @@ async def test_long_prefills_leave_checkpoints_along_the_way() -> None:
         assert out.stats is not None and CHECKPOINT_EVERY <= out.stats.cached_tokens <= CHECKPOINT_EVERY + 50
 
 
+async def test_streams_that_arrive_together_evaluate_a_shared_prefix_once() -> None:
+    """A leader's prefill stops where the others' prompts leave it, and they share its whole state
+    there: a system prompt many requests start with is evaluated once, as with attention models."""
+    system = prompt(4, 200)
+    prompts = [system + prompt(10 + i, 12) for i in range(4)]
+    async with engine_of(hybrid(), n_ctx=2048, n_batch=128, step_tokens=64) as engine:
+        outs = await gather(*(engine.conversation(p).stream(max_tokens=5, **GREEDY) for p in prompts))
+        assert [o.tokens for o in outs] == [solo_tokens(p, 5) for p in prompts]
+        # the system prompt once, then each one's 12 tokens and the 4 fed back of its 5
+        assert engine.statistics().tokens_evaluated <= 200 + 4 * (12 + 4)
+
+
 @pytest.mark.parametrize("host_cache_bytes", [0, 1 << 20], ids=["drop", "park"])
 async def test_preemption_keeps_every_answer(host_cache_bytes: int) -> None:
     async with engine_of(hybrid(), n_ctx=96, n_seq_max=4, host_cache_bytes=host_cache_bytes) as engine:
@@ -176,6 +188,14 @@ async def test_every_way_back_gives_what_a_fresh_conversation_gives(recurrent_pa
         out = await loaded.stream(**SOLO)
         assert out.tokens == await fresh(engine, list(loaded.tokens[:-len(out.tokens)]), "d")
         assert engine.statistics().checkpoints_used >= 2
+
+
+async def test_streams_that_share_a_prefix_share_its_state(recurrent_path: Path) -> None:
+    prompts = [PROMPT * 2 + [600 + i, 601 + i] for i in range(3)]
+    async with Engine(recurrent_path, n_ctx=1024, n_seq_max=4, step_tokens=32) as engine:
+        outs = await gather(*(engine.conversation(p).stream(**SOLO) for p in prompts))
+        assert [o.tokens for o in outs] == [await fresh(engine, p, str(i)) for i, p in enumerate(prompts)]
+        assert sum(o.stats.cached_tokens for o in outs if o.stats is not None) >= 2 * len(PROMPT * 2)
 
 
 async def test_preempted_streams_of_a_hybrid_model_give_what_they_give_alone(smollm2_path: Path) -> None:

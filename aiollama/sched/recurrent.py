@@ -11,7 +11,7 @@ states, eviction) is the same.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from aiollama.sched.checkpoints import CHECKPOINT_EVERY, CheckpointStore, Saved
 from aiollama.sched.hostcache import HostCache
@@ -44,6 +44,19 @@ class RecurrentKV(KVManager):
                 continue
             if seq.pending == 1 or seq.n_cached - seq.checkpoint_at >= CHECKPOINT_EVERY:
                 self.checkpoint(seq)
+
+    def take(self, seq: SeqState, take: int, running: Iterable[SeqState]) -> int:
+        """How many of ``seq``'s pending tokens its prefill slice takes, of ``take``: its last token
+        waits for the next step, so that a checkpoint is taken before it, and a slice stops where a
+        follower waits to share the whole state (the leader then holds exactly their common prefix)."""
+        if seq.score:
+            return take
+        if take == seq.pending > 1 and self.checkpoints.enabled:
+            take -= 1
+        for other in running:
+            if other.follow is not None and other.follow[0] is seq and 0 < other.follow[1] - seq.n_cached < take:
+                take = other.follow[1] - seq.n_cached
+        return take
 
     def clear_cache(self) -> None:
         """Drop every cache entry, every parked state and every checkpoint."""

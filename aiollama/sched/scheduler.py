@@ -287,8 +287,8 @@ class Scheduler(Queues):
                 assert seq.seq_id is not None
                 pos = seq.n_cached
                 take = min(seq.pending, budget)
-                if take == seq.pending > 1 and isinstance(self.kv, RecurrentKV) and self.kv.checkpoints.enabled and not seq.score:
-                    take -= 1  # the last token next step, after a checkpoint of the state before it
+                if isinstance(self.kv, RecurrentKV):
+                    take = self.kv.take(seq, take, self._running)
                 slices.append(Slice(seq.conv, seq.seq_id, pos, tuple(seq.tokens[pos:pos + take]),
                                     take == seq.pending, history=seq.tokens if seq.score else (),
                                     score=seq.score))

@@ -25,6 +25,8 @@ def share_prefix(kv: KVManager, seq: SeqState, running: Iterable[SeqState]) -> N
     limit = len(seq.tokens) - 1  # at least one token must be evaluated for logits
     if isinstance(kv, RecurrentKV):
         share_state(kv, seq, limit)
+        if kv.checkpoints.enabled and not seq.restoring:
+            find_lead(seq, running, limit)
         return
     best, best_n = kv.find(seq.tokens, limit, seq.salt)
     best_n = max(best_n, seq.n_cached)
@@ -37,6 +39,12 @@ def share_prefix(kv: KVManager, seq: SeqState, running: Iterable[SeqState]) -> N
         return
     if best is not None and best is not seq and best_n > seq.n_cached:
         kv.share(seq, best, best_n)
+    find_lead(seq, running, limit)
+
+
+def find_lead(seq: SeqState, running: Iterable[SeqState], limit: int) -> None:
+    """Follow the running sequence that is prefilling the longest common prefix with ``seq``, where
+    that saves at least ``MIN_SHARED_WAIT`` tokens."""
     lead, lead_n = None, 0
     for other in running:
         if other is seq or other.follow is not None or other.salt != seq.salt:
@@ -50,8 +58,7 @@ def share_prefix(kv: KVManager, seq: SeqState, running: Iterable[SeqState]) -> N
 
 def share_state(kv: RecurrentKV, seq: SeqState, limit: int) -> None:
     """Recurrent: start from the most of ``seq``'s first ``limit`` tokens that a whole holder, a
-    checkpoint or a whole parked state gives (a parked state is put back whole or not at all). A
-    leader still prefilling is not followed: its state passes the common prefix within a step."""
+    checkpoint or a whole parked state gives (a parked state is put back whole or not at all)."""
     donor, n, saved = kv.find_state(seq.tokens, limit, seq.salt)
     best_n = max(n, seq.n_cached)
     parked, parked_n = kv.host.best(seq.tokens, limit, seq.salt)
@@ -71,6 +78,13 @@ def follow(kv: KVManager, seq: SeqState) -> tuple[bool, int]:
     if seq.follow is None:
         return False, 0
     lead, n = seq.follow
+    if isinstance(kv, RecurrentKV) and lead.seq_id is not None and lead.n_cached > n:
+        # the leader went past the common prefix (its slices stop there, see RecurrentKV.take, but
+        # a preemption or a failed step may have moved it): whatever a checkpoint gives
+        seq.follow = None
+        before = seq.n_cached
+        share_state(kv, seq, len(seq.tokens) - 1)
+        return False, seq.n_cached - before
     if lead.seq_id is not None and lead.n_cached >= n and not lead.restoring:
         seq.follow = None
         if n > seq.n_cached:
