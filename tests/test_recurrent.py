@@ -23,8 +23,9 @@ from test_engine_fake import GREEDY, Fakes, engine_of, every_third, prompt
 from tiny_model import lfm2_model, mamba_model
 
 import aiollama
-from aiollama import Engine, FinishReason
+from aiollama import Engine, EngineConfig, FinishReason
 from aiollama.errors import UnsupportedModel
+from aiollama.runner.executor import recurrent_config
 from aiollama.sched.checkpoints import CHECKPOINT_EVERY
 from aiollama.sched.step import Checkpoint, Copy, Restore, StepStatus
 
@@ -254,3 +255,13 @@ async def test_a_served_hybrid_model_evaluates_only_each_new_turn(smollm2_path: 
             assert after.prompt_tokens - cached < 40
     finally:
         server.stop()
+
+
+def test_a_recurrent_model_runs_in_one_cache_with_as_many_cache_ids_as_streams() -> None:
+    config = recurrent_config(EngineConfig(n_seq_max=4), "m")
+    assert (config.kv_unified, config.cache_seq_ids) == (True, 4)  # each id holds a state up front
+    assert recurrent_config(EngineConfig(n_seq_max=4, cache_seq_ids=10), "m").cache_seq_ids == 10
+    split = recurrent_config(EngineConfig(n_seq_max=4, kv_unified=False, cache_seq_ids=0), "m")
+    assert (split.kv_unified, split.cache_seq_ids) == (True, 4)
+    with pytest.raises(UnsupportedModel, match="deterministic"):
+        recurrent_config(EngineConfig(deterministic=True), "m")

@@ -95,9 +95,10 @@ def recurrent_config(config: EngineConfig, name: str) -> EngineConfig:
     if config.draft_model is not None or config.draft_tokens:
         raise UnsupportedModel(f"{name} is a recurrent or hybrid model: rejected draft tokens cannot be "
                                "dropped from its recurrent state (no draft_model, draft_tokens=0)")
-    if config.kv_unified:
-        return config
-    return dataclasses.replace(config, kv_unified=True, cache_seq_ids=None)  # the unified default of ids
+    # llama.cpp allocates a recurrent state for every seq id up front (megabytes each in a real
+    # model): cached prefixes get as many ids as streams, not the hundreds an attention model gets
+    ids = config.cache_seq_ids if config.cache_seq_ids is not None and config.kv_unified else config.n_seq_max
+    return dataclasses.replace(config, kv_unified=True, cache_seq_ids=ids)
 
 
 class NativeExecutor:
