@@ -232,12 +232,12 @@ class FakeExecutor:
         self.closed = True
 
 
-def solo_tokens(prompt: Sequence[int], n: int, eog_every: int | None = None) -> list[int]:
+def solo_tokens(prompt: Sequence[int], n: int, eog_every: int | None = None, period: int | None = None) -> list[int]:
     """What the fake model generates for ``prompt`` alone, greedily, ignoring EOG."""
     history = list(prompt)
     out = []
     for _ in range(n):
-        token = next_token(history, eog_every)
+        token = next_token(history, eog_every, period)
         history.append(token)
         out.append(token)
     return out

@@ -87,6 +87,18 @@ async def test_long_prefills_leave_checkpoints_along_the_way() -> None:
         assert out.stats is not None and CHECKPOINT_EVERY <= out.stats.cached_tokens <= CHECKPOINT_EVERY + 50
 
 
+async def test_long_replies_leave_checkpoints_too() -> None:
+    """A chat client sends a reply back as text, and its tokens may differ from the ones generated:
+    a checkpoint every CHECKPOINT_EVERY generated tokens bounds what is evaluated again."""
+    async with engine_of(hybrid(), n_ctx=4096) as engine:
+        conv = engine.conversation(prompt(5, 20))
+        reply = await conv.stream(max_tokens=CHECKPOINT_EVERY + 100, **GREEDY)
+        resent = prompt(5, 20) + reply.tokens[:CHECKPOINT_EVERY + 50] + [90, 91]
+        out = await engine.conversation(resent).stream(max_tokens=4, **GREEDY)
+        assert out.tokens == solo_tokens(resent, 4)
+        assert out.stats is not None and out.stats.cached_tokens >= CHECKPOINT_EVERY
+
+
 async def test_streams_that_arrive_together_evaluate_a_shared_prefix_once() -> None:
     """A leader's prefill stops where the others' prompts leave it, and they share its whole state
     there: a system prompt many requests start with is evaluated once, as with attention models."""

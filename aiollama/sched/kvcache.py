@@ -64,10 +64,6 @@ class KVManager:
         return next(self.clock)
 
     @property
-    def free(self) -> int:
-        return self.cells.free
-
-    @property
     def n_holders(self) -> int:
         return len(self._holders)
 
@@ -150,12 +146,16 @@ class KVManager:
         self._set_tail(seq, self.cells.extend(seq.kv, seq.tokens[start:start + count], seq.salt))
 
     def resync(self, seq: SeqState, n_cached: int) -> None:
-        """After an aborted or failed decode: the context holds ``n_cached`` positions of ``seq``."""
-        have = seq.n_cached
-        if n_cached > have:
-            self.extend(seq, n_cached - have)
-        elif n_cached < have:
-            self._set_tail(seq, self.cells.truncate(seq.kv, n_cached))
+        """After an aborted or failed decode: the context holds ``n_cached`` positions of ``seq``; of
+        those past its history (a draft's) and its pending token's (its logits are gone), none stay."""
+        keep, have = min(n_cached, len(seq.tokens) - 1), seq.n_cached
+        if keep < n_cached and seq.seq_id is not None:  # the executor removes them (ordered: holds them)
+            self._ops.append(Remove(seq.seq_id, keep))
+            self.dropped(n_cached - keep)
+        if keep > have:
+            self.extend(seq, keep - have)
+        elif keep < have:
+            self._set_tail(seq, self.cells.truncate(seq.kv, keep))
 
     def shift(self, seq: SeqState, keep: int, n: int) -> None:
         """Context shift: drop cached positions ``[keep, keep + n)`` and move the rest down by ``n``.

@@ -35,14 +35,15 @@ class RecurrentKV(KVManager):
     def after_step(self, plan: Plan, seqs: Mapping[int, SeqState]) -> None:
         """Checkpoint each sequence whose prompt is evaluated but for its last token (the scheduler
         left that token for the next step), and each that went ``CHECKPOINT_EVERY`` tokens of a
-        prefill without one."""
+        prefill or a generation without one (a reply that a chat client sends back re-tokenized
+        differently then loses at most that many tokens)."""
         if not self.checkpoints.enabled:
             return
         for s in plan.slices:
             seq = seqs.get(s.conv)
-            if seq is None or seq.seq_id is None or s.logits or seq.n_cached <= seq.checkpoint_at:
+            if seq is None or seq.seq_id is None or seq.n_cached <= seq.checkpoint_at:
                 continue
-            if seq.pending == 1 or seq.n_cached - seq.checkpoint_at >= CHECKPOINT_EVERY:
+            if (not s.logits and seq.pending == 1) or seq.n_cached - seq.checkpoint_at >= CHECKPOINT_EVERY:
                 self.checkpoint(seq)
 
     def take(self, seq: SeqState, take: int, running: Iterable[SeqState]) -> int:

@@ -22,22 +22,22 @@ def fit(slices: list[Slice], kv: KVManager, preempt: Preempt) -> list[Slice]:
 
     kv.free_cells(need() - sum(s.draft + s.model_draft for s in slices))  # drafts never evict anything
     starved = False
-    if need() > kv.free:  # drafts go first
+    if need() > kv.cells.free:  # drafts go first
         slices = [Slice(s.conv, s.seq_id, s.pos, s.tokens[:1], True) if s.draft or s.model_draft else s
                   for s in slices]
-    while need() > kv.free:
+    while need() > kv.cells.free:
         prompt_slices = [i for i, s in enumerate(slices) if len(s.tokens) > 1 or not s.logits]
         if not prompt_slices:
             break
         i = prompt_slices[-1]
         s = slices[i]
-        keep = len(s.tokens) - (need() - kv.free)
+        keep = len(s.tokens) - (need() - kv.cells.free)
         if keep <= 0:
             del slices[i]
             starved = True
         else:
             slices[i] = Slice(s.conv, s.seq_id, s.pos, s.tokens[:keep], False)
-    while need() > kv.free:
+    while need() > kv.cells.free:
         gone = preempt(False)
         if not gone:
             break
