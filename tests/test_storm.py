@@ -1,5 +1,6 @@
 """A cancellation storm on the real engine: 500 streams cancelled at random points, then nothing
-is left behind and the engine still answers correctly."""
+is left behind and the engine still answers correctly; on an attention model and on a hybrid one,
+whose cancelled prefills go back to checkpoints of their recurrent state."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 import anyio
 import pytest
 from helpers import GREEDY
+from tiny_model import lfm2_model
 
+import aiollama
 from aiollama import Engine
 
 pytestmark = pytest.mark.anyio
@@ -17,10 +20,12 @@ pytestmark = pytest.mark.anyio
 N_STREAMS = 500
 
 
-async def test_cancellation_storm(tiny_path: Path) -> None:
+@pytest.mark.parametrize("model", ["llama", "lfm2"])
+async def test_cancellation_storm(model: str, tiny_path: Path, smollm2_path: Path) -> None:
     rng = random.Random(1234)
     long_prompt = " ".join(["a prompt long enough to be chunked"] * 40)
-    async with Engine(tiny_path, n_ctx=4096, n_seq_max=8, step_tokens=64, max_queued=N_STREAMS) as engine:
+    path = tiny_path if model == "llama" else lfm2_model(aiollama.cache_dir() / "test-models", smollm2_path)
+    async with Engine(path, n_ctx=4096, n_seq_max=8, step_tokens=64, max_queued=N_STREAMS) as engine:
         probe = "The storm is over and the answer is"
         async with engine.conversation(probe) as conv:
             expected = (await conv.stream(max_tokens=8, **GREEDY)).tokens
@@ -74,6 +79,6 @@ async def test_cancellation_storm(tiny_path: Path) -> None:
         assert stats.kv_cells_used == stats.kv_cells_cached and stats.seq_ids_used == stats.cache_entries, stats
         await engine.clear_cache()
         stats = engine.statistics()
-        assert stats.kv_cells_used == 0 and stats.seq_ids_used == 0, stats
+        assert stats.kv_cells_used == 0 and stats.seq_ids_used == 0 and stats.checkpoints == 0, stats
         async with engine.conversation(probe) as conv:
             assert (await conv.stream(max_tokens=8, **GREEDY)).tokens == expected
