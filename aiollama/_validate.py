@@ -6,6 +6,8 @@ Each returns the value (an ``int`` or a ``float``) or raises ``InvalidRequestErr
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from aiollama.errors import InvalidRequestError
 
@@ -38,3 +40,21 @@ def number(name: str, value: object, *, low: float | None = None, high: float | 
     if high is not None and value > high:
         raise InvalidRequestError(f"{name} must be <= {high}, got {value!r}")
     return float(value)
+
+
+def lora_set(lora: Any, loaded: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
+    """A conversation's adapters, ``{name: scale}``, as the scheduler keys them (sorted, scale 0
+    left out); InvalidRequestError for a name the engine did not load or a scale that is no number."""
+    if not lora:
+        return ()
+    if not isinstance(lora, Mapping):
+        raise InvalidRequestError(f"lora must map adapter names to scales, got {lora!r}")
+    out = []
+    for name, scale in lora.items():
+        if name not in loaded:
+            known = ", ".join(sorted(loaded)) or "none"
+            raise InvalidRequestError(f"no LoRA adapter {name!r} was loaded with this engine (loaded: {known})")
+        number(f"lora scale of {name!r}", scale, low=-100.0, high=100.0)
+        if scale:
+            out.append((str(name), float(scale)))
+    return tuple(sorted(out))

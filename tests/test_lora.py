@@ -99,6 +99,36 @@ async def test_conversations_choose_their_adapters_and_take_turns(
             engine.conversation(lora={"a": float("nan")})
 
 
+@pytest.mark.anyio
+async def test_a_stream_switches_its_conversations_adapters(
+        tiny_path: Path, adapter: tuple[Path, dict[str, np.ndarray]], merged: Path) -> None:
+    async with Engine(merged, n_ctx=512) as engine:
+        want_merged, _ = await _greedy(engine)
+    async with Engine(tiny_path, n_ctx=512, lora={"a": adapter[0]}) as engine:
+        want_base, _ = await _greedy(engine)
+        conv = engine.conversation(TOKENS)
+        plain = await conv.stream(max_tokens=6, temperature=0)
+        assert plain.tokens == want_base
+        conv.rewind(6)
+        tuned = await conv.stream(max_tokens=6, temperature=0, lora={"a": 0.5})
+        assert tuned.tokens == want_merged
+        assert tuned.stats is not None and tuned.stats.cached_tokens == 0  # the history again, under the adapter
+        conv.rewind(6)
+        back = await conv.stream(max_tokens=6, temperature=0, lora={})
+        assert back.tokens == want_base
+        assert back.stats is not None and back.stats.cached_tokens >= len(TOKENS) - 1  # the cells it left behind
+        conv.rewind(6)
+        same = await conv.stream(max_tokens=6, temperature=0)  # no lora: the adapters stay as they are
+        assert same.tokens == want_base
+        fork = conv.fork()  # a fork switches alone: its parent keeps its adapters
+        forked = await fork.stream(max_tokens=6, temperature=0, lora={"a": 0.5})
+        fresh = engine.conversation(list(conv.tokens), lora={"a": 0.5}, cache_salt="fresh")
+        assert forked.tokens == (await fresh.stream(max_tokens=6, temperature=0)).tokens
+        with pytest.raises(InvalidRequestError, match="no LoRA adapter 'b'"):
+            conv.stream(lora={"b": 1.0})
+        assert (await conv.stream(max_tokens=2, temperature=0)).finish_reason == "length"  # nothing was started
+
+
 def test_requests_choose_the_servers_adapters(
         tiny_path: Path, adapter: tuple[Path, dict[str, np.ndarray]], merged: Path) -> None:
     async def reference() -> str:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from aiollama._validate import number
+from aiollama._validate import lora_set, number
 from aiollama.api.chat_turns import ChatTurns
 from aiollama.api.client import EngineClient
 from aiollama.api.portal import AsyncSink
@@ -248,6 +248,7 @@ class _ConversationBase:
                guide: _ConversationBase | None = None, scale: float = 1.0) -> None:
         created = time.perf_counter()
         self._check()
+        adapters = None if "lora" not in params else lora_set(params.pop("lora"), self._client.config.lora)
         sampling = SamplingParams.from_kwargs(**params)
         self._check_idle()
         if guide is not None:
@@ -264,7 +265,7 @@ class _ConversationBase:
             guide._history.generating()
         try:
             self._client.send(Generate(self.id, sampling, sink, matcher, None if guide is None else guide.id,
-                                     scale, created))
+                                     scale, created, adapters))
         except BaseException:
             admission.leave()
             self._history.not_generating()
@@ -323,7 +324,8 @@ class Conversation(_ConversationBase):
         Parameters are those of :class:`aiollama.sampling.SamplingParams` (max_tokens, temperature,
         top_k, top_p, min_p, typical_p, repeat_penalty, frequency_penalty, presence_penalty,
         penalty_last_n, seed, logit_bias, grammar, stop, ignore_eos, context_shift, n_keep,
-        draft_tokens, json_schema, regex, lark, logprobs, top_logprobs, logits_processors, priority).
+        draft_tokens, json_schema, regex, lark, logprobs, top_logprobs, logits_processors, priority);
+        ``lora={name: scale}`` switches the LoRA adapters from this stream on (``{}``: none).
 
         ``guidance=other`` with ``guidance_scale=w`` (classifier-free guidance): ``other``, a
         conversation of the same engine (a negative prompt, say), is decoded in the same batch at

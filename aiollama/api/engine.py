@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from aiollama._validate import number
+from aiollama._validate import lora_set
 from aiollama.api.chat_turns import ChatTurns, tools_as_text
 from aiollama.api.client import EngineClient
 from aiollama.api.conversation import Completion, Conversation
@@ -332,21 +332,3 @@ def _seeded(params: dict[str, Any], i: int) -> dict[str, Any]:
     if params.get("seed") is None:
         return params
     return {**params, "seed": seed_for(params["seed"], i)}
-
-
-def lora_set(lora: Any, loaded: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
-    """A conversation's adapters, ``{name: scale}``, as the scheduler keys them (sorted, scale 0
-    left out); InvalidRequestError for a name the engine did not load or a scale that is no number."""
-    if not lora:
-        return ()
-    if not isinstance(lora, Mapping):
-        raise InvalidRequestError(f"lora must map adapter names to scales, got {lora!r}")
-    out = []
-    for name, scale in lora.items():
-        if name not in loaded:
-            known = ", ".join(sorted(loaded)) or "none"
-            raise InvalidRequestError(f"no LoRA adapter {name!r} was loaded with this engine (loaded: {known})")
-        number(f"lora scale of {name!r}", scale, low=-100.0, high=100.0)
-        if scale:
-            out.append((str(name), float(scale)))
-    return tuple(sorted(out))

@@ -79,6 +79,7 @@ class Generate:
     guide: int | None = None
     guidance_scale: float = 1.0
     created: float = 0.0
+    lora: tuple[tuple[str, float], ...] | None = None  # other adapters from this generation on; None: the same
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,8 @@ class Handlers:
                                        "end or cancel it first")
             if self.core.generations.guided_by(conv) is not None:
                 raise ConversationBusy("the conversation guides another one's stream: wait for that to end")
+            if command.lora is not None:
+                self.core.scheduler.set_lora(conv, command.lora)
             guide = command.guide
             if guide is not None:
                 self._check_guide(conv, guide)

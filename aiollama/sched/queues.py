@@ -15,6 +15,8 @@ from aiollama.sched.step import Op
 
 # A waiting generation's priority improves by one every this many seconds: nothing waits forever.
 AGING_SECONDS = 5.0
+# Between a conversation's cache salt and its adapters in the salt its cells are keyed by.
+LORA_SALT = "\x00lora="
 
 
 class Queues:
@@ -47,11 +49,24 @@ class Queues:
         if conv in self._seqs:
             raise KeyError(f"conversation {conv} already exists")
         if lora:
-            salt = f"{salt or ''}\x00lora={lora!r}"
+            salt = f"{salt or ''}{LORA_SALT}{lora!r}"
             self.lora_used = True
         seq = SeqState(conv, list(tokens), last_used=self.kv.tick(), salt=salt, lora=lora)
         self._seqs[conv] = seq
         return seq
+
+    def set_lora(self, conv: int, lora: tuple[tuple[str, float], ...]) -> None:
+        """An idle conversation's next generations decode with other adapters. What it has cached
+        was computed under the old ones: it stays behind as a cache entry of those (switching back
+        finds it), and the conversation shares cells with holders of the new ones from now on."""
+        old = self._seqs[conv]
+        assert old.phase is Phase.IDLE, "callers switch adapters only between generations"
+        if lora == old.lora:
+            return
+        salt = None if old.salt is None else old.salt.partition(LORA_SALT)[0] or None
+        del self._seqs[conv]
+        self.add(conv, old.tokens, salt, lora)
+        self.kv.retire(old)
 
     def append(self, conv: int, tokens: Iterable[int]) -> None:
         seq = self._seqs[conv]
