@@ -112,8 +112,9 @@ class NativeExecutor:
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
         with contextlib.ExitStack() as stack:
             self.model: Model = stack.enter_context(load_model(config, model_path))
-            self.recurrent = self.model.is_recurrent
-            if self.recurrent:
+            # "kv"; "hybrid": KV cells and a recurrent state per sequence; "recurrent": the state only
+            self.memory = "hybrid" if self.model.is_hybrid else "recurrent" if self.model.is_recurrent else "kv"
+            if self.memory != "kv":
                 config = recurrent_config(config, model_path.name)
             self.embeds_only = is_embedding_model(self.model)
             self._embedder: Embedder | None = None
@@ -159,8 +160,7 @@ class NativeExecutor:
         self.n_cells = self.ctx.n_ctx if self.ctx.kv_unified else self.ctx.n_ctx_seq * self.n_seq_max
         self.kv_unified = self.ctx.kv_unified
         # a recurrent state cannot move positions: a full context is evaluated again instead
-        self.can_shift = self.ctx.can_shift and not self.recurrent
-        self.memory = "kv" if not self.recurrent else "hybrid" if self.model.is_hybrid else "recurrent"
+        self.can_shift = self.ctx.can_shift and self.memory == "kv"
         if self.memory == "recurrent":
             self.n_cells = self.ctx.n_ctx_seq * self.n_seq_max  # no KV cells: only seq ids are scarce
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model, (config.cache_type_k, config.cache_type_v))
@@ -306,7 +306,7 @@ class NativeExecutor:
         if self.embeds_only:
             return False
         try:
-            if not self.recurrent:
+            if self.memory == "kv":
                 # a state saved from a cache of another layout (unified, or split in another number
                 # of seq ids) names another number of streams
                 data = seqstate.restream(data, 1 if self.ctx.kv_unified else self.ctx.n_seq_max)

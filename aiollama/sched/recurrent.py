@@ -24,8 +24,6 @@ class RecurrentKV(KVManager):
     """:class:`~aiollama.sched.kvcache.KVManager` for a hybrid model's memory (KV cells and a
     recurrent state per sequence) or, with ``cells_held`` False, a purely recurrent one's."""
 
-    recurrent = True
-
     def __init__(self, n_cells: int, n_seq_max: int, host: HostCache | None = None, *,
                  checkpoints: CheckpointStore, cells_held: bool = True) -> None:
         super().__init__(n_cells, n_seq_max, host)

@@ -69,7 +69,7 @@ class Scheduler(Queues):
     step's attention passes (idle cells are then given back under load). ``draft_model``: drafting streams leave their drafts to the
     executor's draft model (the slice says how many tokens it may add) instead of n-grams.
     ``memory``: "kv", or "hybrid" and "recurrent" for models with recurrent states, which are
-    checkpointed in host memory within ``checkpoint_bytes`` (see :mod:`~aiollama.sched.kvcache`);
+    checkpointed in host memory within ``checkpoint_bytes`` (see :mod:`~aiollama.sched.recurrent`);
     they decode without n-gram drafts.
     """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from aiollama.sched.hostcache import Parked
 from aiollama.sched.kvcache import KVManager
 from aiollama.sched.kvtree import common_prefix
 from aiollama.sched.recurrent import RecurrentKV
@@ -33,13 +34,18 @@ def share_prefix(kv: KVManager, seq: SeqState, running: Iterable[SeqState]) -> N
     parked, parked_n = kv.host.best(seq.tokens, limit, seq.salt)
     if parked is not None and parked_n - best_n >= max(MIN_RESTORE_GAIN, len(parked.tokens) // 2) \
             and kv.free_cells(len(parked.tokens) + 1):
-        if seq.kv is not None:
-            kv.truncate(seq, 0)
-        kv.restore(seq, parked, parked_n)
+        restore_parked(kv, seq, parked, parked_n)
         return
     if best is not None and best is not seq and best_n > seq.n_cached:
         kv.share(seq, best, best_n)
     find_lead(seq, running, limit)
+
+
+def restore_parked(kv: KVManager, seq: SeqState, parked: Parked, n: int) -> None:
+    """``seq`` drops what it holds and gets a parked state back, keeping its first ``n`` positions."""
+    if seq.kv is not None:
+        kv.truncate(seq, 0)
+    kv.restore(seq, parked, n)
 
 
 def find_lead(seq: SeqState, running: Iterable[SeqState], limit: int) -> None:
@@ -64,9 +70,7 @@ def share_state(kv: RecurrentKV, seq: SeqState, limit: int) -> None:
     parked, parked_n = kv.host.best(seq.tokens, limit, seq.salt)
     if parked is not None and parked_n == len(parked.tokens) and parked_n - best_n >= MIN_RESTORE_GAIN \
             and kv.free_cells(parked_n + 1):
-        if seq.kv is not None:
-            kv.truncate(seq, 0)
-        kv.restore(seq, parked, parked_n)
+        restore_parked(kv, seq, parked, parked_n)
         return
     if n > seq.n_cached and donor is not seq:
         kv.share_state(seq, donor, n, saved)
