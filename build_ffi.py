@@ -329,6 +329,70 @@ enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
 void ggml_backend_load_all_from_path(const char * dir_path);
 const char * ggml_backend_buft_name(ggml_backend_buffer_type_t buft);
 
+/* images (libmtmd): a projector beside the text model turns a bitmap into embedding rows */
+typedef struct mtmd_context mtmd_context;
+typedef struct mtmd_bitmap mtmd_bitmap;
+typedef struct mtmd_input_chunk mtmd_input_chunk;
+typedef struct mtmd_input_chunks mtmd_input_chunks;
+typedef struct mtmd_helper_video mtmd_helper_video;
+enum mtmd_input_chunk_type {
+    MTMD_INPUT_CHUNK_TYPE_TEXT, MTMD_INPUT_CHUNK_TYPE_IMAGE, MTMD_INPUT_CHUNK_TYPE_AUDIO, ...
+};
+typedef struct mtmd_input_text {
+    const char * text;
+    size_t text_len;
+    bool add_special;
+    bool parse_special;
+} mtmd_input_text;
+struct mtmd_context_params {
+    bool use_gpu;
+    ggml_backend_dev_t device;
+    bool print_timings;
+    int n_threads;
+    const char * media_marker;
+    bool warmup;
+    int image_min_tokens;
+    int image_max_tokens;
+    ...;
+};
+struct mtmd_helper_init_opt { ...; };
+struct mtmd_helper_bitmap_wrapper {
+    mtmd_bitmap * bitmap;
+    mtmd_helper_video * video_ctx;
+};
+struct mtmd_context_params mtmd_context_params_default(void);
+mtmd_context * mtmd_init_from_file(const char * mmproj_fname, const struct llama_model * text_model,
+                                   const struct mtmd_context_params ctx_params);
+void mtmd_free(mtmd_context * ctx);
+bool mtmd_decode_use_non_causal(const mtmd_context * ctx, const mtmd_input_chunk * chunk);
+bool mtmd_decode_use_mrope(const mtmd_context * ctx);
+bool mtmd_support_vision(const mtmd_context * ctx);
+bool mtmd_support_audio(const mtmd_context * ctx);
+void mtmd_bitmap_free(mtmd_bitmap * bitmap);
+uint32_t mtmd_bitmap_get_nx(const mtmd_bitmap * bitmap);
+uint32_t mtmd_bitmap_get_ny(const mtmd_bitmap * bitmap);
+bool mtmd_bitmap_is_audio(const mtmd_bitmap * bitmap);
+mtmd_input_chunks * mtmd_input_chunks_init(void);
+size_t mtmd_input_chunks_size(const mtmd_input_chunks * chunks);
+const mtmd_input_chunk * mtmd_input_chunks_get(const mtmd_input_chunks * chunks, size_t idx);
+void mtmd_input_chunks_free(mtmd_input_chunks * chunks);
+enum mtmd_input_chunk_type mtmd_input_chunk_get_type(const mtmd_input_chunk * chunk);
+const llama_token * mtmd_input_chunk_get_tokens_text(const mtmd_input_chunk * chunk, size_t * n_tokens_output);
+size_t mtmd_input_chunk_get_n_tokens(const mtmd_input_chunk * chunk);
+llama_pos mtmd_input_chunk_get_n_pos(const mtmd_input_chunk * chunk);
+int32_t mtmd_tokenize(const mtmd_context * ctx, mtmd_input_chunks * output, const mtmd_input_text * text,
+                      const mtmd_bitmap * const * bitmaps, size_t n_bitmaps);
+int32_t mtmd_encode_chunk(mtmd_context * ctx, const mtmd_input_chunk * chunk);
+float * mtmd_get_output_embd(mtmd_context * ctx);
+void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
+int32_t mtmd_helper_eval_chunks(mtmd_context * ctx, struct llama_context * lctx, const mtmd_input_chunks * chunks,
+                                llama_pos n_past, llama_seq_id seq_id, int32_t n_batch, bool logits_last,
+                                llama_pos * new_n_past);
+struct mtmd_helper_init_opt mtmd_helper_init_opt_default(void);
+struct mtmd_helper_bitmap_wrapper mtmd_helper_bitmap_init_from_buf(const mtmd_context * ctx, const unsigned char * buf,
+                                                                   size_t len, bool placeholder,
+                                                                   struct mtmd_helper_init_opt opt);
+
 /* logging and perf */
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
@@ -365,6 +429,8 @@ HELPERS = r"""
 #endif
 
 #include "llama.h"
+#include "mtmd.h"
+#include "mtmd-helper.h"
 
 /* ggml-cpu's reference kernels for every CPU backend of a context (or back to the fast ones).
  * They compute each output row the same way whatever the batch holds: no llamafile sgemm or tiled
@@ -470,6 +536,8 @@ static int32_t aiollama_fit(const char * path, struct llama_model_params * mpara
 static void aiollama_log_install(int min_level) {
     aiollama_log_min_level = min_level;
     llama_log_set(aiollama_log_trampoline, NULL);
+    mtmd_log_set(aiollama_log_trampoline, NULL);
+    mtmd_helper_log_set(aiollama_log_trampoline, NULL);
 }
 
 /* The largest of 64 logits (with SSE2 four at a time), or NaN where the block holds one that

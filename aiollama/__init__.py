@@ -31,6 +31,7 @@ _EXPORTS = {
     "Statistics": "aiollama.decoder.outputs",
     "TokenLogprob": "aiollama.decoder.outputs",
     "Engine": "aiollama.api.engine",
+    "Image": "aiollama.api.media",
     "SyncEngine": "aiollama.api.blocking",
     "SamplingParams": "aiollama.sampling",
     "Device": "aiollama.native.devices",
@@ -50,6 +51,7 @@ _EXPORTS = {
     "EngineClosed": "aiollama.errors",
     "EngineDead": "aiollama.errors",
     "GrammarError": "aiollama.errors",
+    "ImageError": "aiollama.errors",
     "InvalidBatchError": "aiollama.errors",
     "InvalidOutputError": "aiollama.errors",
     "InvalidRequestError": "aiollama.errors",
@@ -107,6 +109,9 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
     from aiollama.api.engine import (
         Engine as Engine,
     )
+    from aiollama.api.media import (
+        Image as Image,
+    )
     from aiollama.config import EngineConfig as EngineConfig
     from aiollama.decoder.outputs import (
         FinishReason as FinishReason,
@@ -155,6 +160,9 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
     )
     from aiollama.errors import (
         GrammarError as GrammarError,
+    )
+    from aiollama.errors import (
+        ImageError as ImageError,
     )
     from aiollama.errors import (
         InvalidBatchError as InvalidBatchError,

@@ -94,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
                      backend_sampling=args.backend_sampling, kv_unified=args.unified_cache,
                      cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, flash_attn=args.flash_attn,
                      reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
-                     lora=_adapters(args.lora))
+                     lora=_adapters(args.lora), mmproj=args.mmproj, fetch_images=args.fetch_images)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
 
@@ -275,6 +275,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora", action="append", default=[], metavar="[NAME=]PATH",
                        help="a LoRA adapter to load (repeat for several); requests choose with "
                             "lora=[{'id' or 'name', 'scale'}] (id: its place among these, from 0)")
+    serve.add_argument("--mmproj", type=Path, default=None,
+                       help="the model's image projector (an mmproj GGUF): chat messages may hold image_url parts")
+    serve.add_argument("--fetch-images", action="store_true",
+                       help="fetch image_url parts that name http(s) URLs (by default only data: URLs are read)")
     serve.add_argument("--reasoning-budget", type=int, default=None,
                        help="tokens a thinking block may run before the server closes it, for requests that give "
                             "no reasoning_budget (0: no thinking)")

@@ -66,6 +66,8 @@ class EngineConfig:
     is copied instead of shared. Not with ``deterministic``.
     ``lora`` names LoRA adapter files (``{"name": path}``), loaded once; a conversation chooses
     among them (``engine.conversation(lora={"name": scale})``).
+    ``mmproj`` is an image projector for the model (libmtmd's ``mmproj`` GGUF): prompts may then
+    hold pictures (:class:`aiollama.Image`).
     """
 
     model_path: Path | None = None
@@ -90,6 +92,7 @@ class EngineConfig:
     cache_type_v: str = "f16"
     flash_attn: bool | None = None
     lora: Mapping[str, Path] = field(default_factory=dict)
+    mmproj: Path | None = None
 
     def __post_init__(self) -> None:
         integer("n_ctx", self.n_ctx, low=1)
@@ -136,6 +139,10 @@ class EngineConfig:
             object.__setattr__(self, "draft_model", Path(self.draft_model))
             if self.draft_tokens == 0:
                 object.__setattr__(self, "draft_tokens", DRAFT_MODEL_TOKENS)
+        if self.mmproj is not None:
+            if not isinstance(self.mmproj, (str, os.PathLike)):
+                raise InvalidRequestError(f"mmproj must be a path, got {self.mmproj!r}")
+            object.__setattr__(self, "mmproj", Path(self.mmproj))
         if not isinstance(self.lora, Mapping) or not all(
                 isinstance(k, str) and k and isinstance(v, (str, os.PathLike)) for k, v in self.lora.items()):
             raise InvalidRequestError(f"lora must map names to adapter files, got {self.lora!r}")

@@ -25,6 +25,7 @@ already catches those keeps working::
     │   ├── ConversationFileError       a saved conversation that is damaged or not one
     │   │   └── ModelMismatch               saved from another model or cache layout
     │   ├── GrammarError                a GBNF grammar that does not parse, or a token it rejects
+    │   ├── ImageError                  an image that is no picture, or one the engine cannot take
     │   ├── InvalidTokenError           a token id outside the vocabulary
     │   ├── InvalidBatchError           native layer only: batch too large, empty, position gaps
     │   ├── InvalidSeqIdError           native layer only: seq id outside [0, n_seq_max)
@@ -131,6 +132,11 @@ class ModelMismatch(ConversationFileError):
 
 class GrammarError(InvalidRequestError):
     """A GBNF grammar that does not parse, or a token the grammar cannot accept."""
+
+
+class ImageError(InvalidRequestError):
+    """An image the engine cannot take: bytes that are no picture it can read, an engine without a
+    projector (``mmproj``), or a picture of more rows than one step or image may hold."""
 
 
 class InvalidTokenError(InvalidRequestError):

@@ -36,9 +36,9 @@ def _compile(cdef: str, tmp_path: Path) -> None:
     libdir = str(Path(aiollama.__file__).parent)  # the installed package holds libllama.so
     builder = _build_ffi().make_builder(
         cdef,
-        include_dirs=[str(src / "include"), str(src / "ggml" / "include")],
+        include_dirs=[str(src / "include"), str(src / "ggml" / "include"), str(src / "tools" / "mtmd")],
         library_dirs=[libdir],
-        libraries=[":libllama.so"],
+        libraries=[":libllama.so", ":libmtmd.so"],
         extra_link_args=[f"-Wl,-rpath,{libdir}"],
     )
     so = builder.compile(tmpdir=str(tmp_path), verbose=False)

@@ -252,6 +252,10 @@ class SyncEngine:
         """Embeddings; see ``Engine.embed``."""
         return self._portal.call(functools.partial(self._engine.embed, texts, normalize=normalize))
 
+    def encode_images(self, images: Sequence[Any]) -> None:
+        """Encode pictures ahead of the prompts that send them; see ``Engine.encode_images``."""
+        self._portal.call(functools.partial(self._engine.encode_images, images))
+
     def clear_cache(self) -> None:
         """Drop the prefix cache; see ``Engine.clear_cache``."""
         self._portal.call(self._engine.clear_cache)

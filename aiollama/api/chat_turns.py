@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiollama.api.client import EngineClient
+from aiollama.api.media import pictures
 from aiollama.api.stream import Collector
 from aiollama.decoder.outputs import FinishReason
 from aiollama.errors import ChatTemplateError
 from aiollama.formats.chat import (
+    IMAGE,
     REPLY,
     Messages,
     normalize,
@@ -54,13 +56,14 @@ class ChatTurns:
 
     def render(self, core: EngineClient, messages: Messages, *, first: bool,
                tools: list[dict[str, Any]] | None = None,
-               kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[dict[str, Any]]]:
+               kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[dict[str, Any]], dict[int, Any]]:
         """The tokens of a new turn holding ``messages`` (offering ``tools``, the template given
         ``kwargs``), and the messages normalized. A template without a place for tools gets them described in a system message,
         and earlier tool calls written as JSON, as llama-server does."""
         if self.broken:
             raise ChatTemplateError("the conversation was rewound into the middle of a chat turn; rewind "
                                     "to where a turn or a reply begins, or start a new conversation")
+        messages, images = pictures(messages)
         new = normalize(messages)
         for message in new:
             for text in template_text(message):
@@ -87,10 +90,14 @@ class ChatTurns:
                 # the reply's end-of-generation token is already in the conversation
                 rendered = next((rendered[len(t):] for t in template.eog_texts if rendered.startswith(t)),
                                 rendered)
-        tokens = core.chat_tokens(segments(rendered, contents), first=first)
+        parts = segments(rendered, contents)
+        if sum(p.text.count(IMAGE) for p in parts if not p.template) != len(images):
+            raise ChatTemplateError("the chat template dropped or repeated a message's picture")
+        encoded = [core.images.tokens(image) for image in images]
+        tokens = core.chat_tokens(parts, first=first, images=[t for t, _ in encoded])
         if not tokens:
             raise ChatTemplateError("the chat template rendered nothing for these messages")
-        return tokens, new
+        return tokens, new, {n: r for _, rows in encoded for n, r in rows.items()}
 
     def appended(self, start: int, n_tokens: int, new: list[dict[str, str]]) -> None:
         """A turn of ``n_tokens`` was appended at history length ``start``."""

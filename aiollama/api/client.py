@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from aiollama.api.media import Image, ImageEncoder
 from aiollama.api.portal import AsyncioPortal, AsyncSink, TrioPortal, current_portal
 from aiollama.config import EngineConfig
 from aiollama.decoder.commands import Admission, Command
@@ -18,13 +19,16 @@ from aiollama.decoder.loop import DecodeLoop
 from aiollama.decoder.outputs import Item, Statistics
 from aiollama.errors import (
     ChatTemplateError,
+    ContextFull,
     EngineClosed,
     EngineDead,
+    ImageError,
     InvalidRequestError,
     WrongEventLoop,
 )
 from aiollama.formats import constraints, reasoning
 from aiollama.formats.chat import ChatTemplate, Segment, chat_tokens
+from aiollama.formats.media import has_images
 from aiollama.formats.tokens import Tokenizer
 from aiollama.sampling import SamplingParams
 from aiollama.sched.step import Executor
@@ -59,6 +63,7 @@ class EngineClient:
             self.close()  # the decode thread has already ended; nothing stays open
             raise
         self._tokenizer = self.decoder.tokenizer
+        self.images = ImageEncoder(self.decoder.projector, self.decoder.n_ctx)
 
     def close(self) -> None:
         """Stop the decode thread (running streams end with EngineClosed); raises EngineDead if it
@@ -151,6 +156,36 @@ class EngineClient:
         tokenizer = self.tokenizer
         return [tokenizer.check_token(t) for t in content]
 
+    def check_prompt(self, tokens: list[int]) -> None:
+        if len(tokens) >= self.n_ctx:
+            raise ContextFull(f"a prompt of {len(tokens)} tokens does not fit a context of {self.n_ctx} "
+                              "with room to generate")
+        if tokens[-1] < 0:
+            raise ImageError("a prompt must not end with an image: give some text after it")
+
+    @staticmethod
+    def check_savable(tokens: Sequence[int]) -> None:
+        if has_images(tokens):
+            raise ImageError("a conversation that holds images cannot be saved")
+
+    def prompt_tokens(self, content: Any, *, first: bool, special: bool) -> tuple[list[int], dict[int, Any]]:
+        """Tokens for a prompt of text, token ids, or a list of parts (text, Image, token id), and
+        the rows of the images among them by image number."""
+        if isinstance(content, (list, tuple)) and any(isinstance(p, (str, Image)) for p in content):
+            tokens: list[int] = []
+            images: dict[int, Any] = {}
+            for part in content:
+                if isinstance(part, Image):
+                    got, rows = self.images.tokens(part)
+                    tokens += got
+                    images.update(rows)
+                elif isinstance(part, str):
+                    tokens += self.tokenize(part, add_special=first and not tokens, special=special)
+                else:
+                    tokens.append(self.tokenizer.check_token(part))
+            return tokens, images
+        return self.encode(content, first=first, special=special), {}
+
     @property
     def thinking_tokens(self) -> tuple[int, int] | None:
         """The tokens ``<think>`` and ``</think>`` of a reasoning model (each one token of its
@@ -165,8 +200,11 @@ class EngineClient:
         assert self._thinking is not True
         return self._thinking
 
-    def in_thinking(self, prompt_tail: Sequence[int]) -> bool:
-        """Whether a prompt ending with these tokens leaves the model inside a thinking block."""
+    def generation_start(self, prompt_tail: Sequence[int], guide_tail: Sequence[int] = ()) -> bool:
+        """Whether a prompt ending with these tokens leaves the model inside a thinking block.
+        Raises ImageError where a history (or the guiding one's) ends inside a picture."""
+        if prompt_tail[-1:] and prompt_tail[-1] < 0 or guide_tail[-1:] and guide_tail[-1] < 0:
+            raise ImageError("the history ends with a picture's rows (a rewind cut into it): prompt text first")
         return reasoning.opened(self.detokenize(prompt_tail))
 
     def constraint(self, params: SamplingParams, *, inside_thinking: bool = False) -> Any:
@@ -198,9 +236,9 @@ class EngineClient:
                 builtin=builtin, eog_texts=[texts[t] for t in (tokenizer.eot, tokenizer.eos) if t in texts])
         return self._chat_template
 
-    def chat_tokens(self, parts: list[Segment], *, first: bool) -> list[int]:
+    def chat_tokens(self, parts: list[Segment], *, first: bool, images: Sequence[list[int]] = ()) -> list[int]:
         """Tokens of rendered chat text: split only at the template's own special tokens."""
-        return chat_tokens(self.tokenizer, parts, first=first)
+        return chat_tokens(self.tokenizer, parts, first=first, images=images)
 
     def check_template_text(self, text: str) -> None:
         """Text a template writes as its own (a role, a tool call) must hold no special-token text."""

@@ -26,6 +26,7 @@ import anyio
 from aiollama._validate import lora_set, number
 from aiollama.api.chat_turns import ChatTurns
 from aiollama.api.client import EngineClient
+from aiollama.api.media import Image
 from aiollama.api.portal import AsyncSink
 from aiollama.api.stream import Chunk, Completion, Stream, StreamBase, TokenHistory
 from aiollama.decoder.commands import (
@@ -39,7 +40,6 @@ from aiollama.decoder.commands import (
 )
 from aiollama.decoder.outputs import Delta, Item, Snapshot
 from aiollama.errors import (
-    ContextFull,
     ConversationBusy,
     ConversationClosed,
     InvalidRequestError,
@@ -90,30 +90,28 @@ class _ConversationBase:
     def __bool__(self) -> bool:
         return True  # an empty conversation is still a conversation (``if conv:`` stays true)
 
-    def prompt(self, content: str | Sequence[int], *, special: bool = False) -> None:
-        """Append text or token ids to the conversation. Never blocks.
+    def prompt(self, content: str | Sequence[int] | Sequence[str | Image | int], *, special: bool = False) -> None:
+        """Append text, token ids, or a list of parts (text, :class:`~aiollama.Image`, token ids; not
+        an image last). Never blocks, but encodes a picture (``await engine.encode_images()`` first).
 
         The first text prompt of a conversation gets BOS as the model's metadata asks; token ids are
         taken as they are. ``special`` parses special-token text (``<|im_start|>``) into those tokens.
 
         Raises:
-            InvalidTokenError: a token id outside the vocabulary.
+            InvalidTokenError, ImageError: a bad token id or image, or an engine without a projector.
             InvalidRequestError: content that is empty, or neither text nor token ids.
             ContextFull: a prompt as long as the context or longer.
             ConversationClosed, EngineClosed, EngineDead.
         """
         self._check()
-        tokens = self._client.encode(content, first=len(self) == 0, special=special)
+        tokens, images = self._client.prompt_tokens(content, first=len(self) == 0, special=special)
         if not tokens or (isinstance(content, str) and not content):
             raise InvalidRequestError("a prompt must not be empty")
-        self._append(tokens)
+        self._append(tokens, images)
 
-    def _append(self, tokens: list[int]) -> None:
-        n_ctx = self._client.n_ctx
-        if len(tokens) >= n_ctx:
-            raise ContextFull(f"a prompt of {len(tokens)} tokens does not fit a context of {n_ctx} "
-                              "with room to generate")
-        self._client.send(Prompt(self.id, tuple(tokens)))
+    def _append(self, tokens: list[int], images: dict[int, Any] | None = None) -> None:
+        self._client.check_prompt(tokens)
+        self._client.send(Prompt(self.id, tuple(tokens), images or {}))
         self._history.prompt(tokens)
 
     @property
@@ -130,9 +128,9 @@ class _ConversationBase:
         self._check()
         self._check_idle()
         start = len(self)
-        tokens, new = self._chat.render(self._client, messages, first=start == 0, tools=tools,
-                                        kwargs=chat_template_kwargs)
-        self._append(tokens)
+        tokens, new, images = self._chat.render(self._client, messages, first=start == 0, tools=tools,
+                                                kwargs=chat_template_kwargs)
+        self._append(tokens, images)
         self._tool_names = tool_schemas(tools) if tools else []
         self._chat.appended(start, len(tokens), new)
         return len(tokens)
@@ -205,6 +203,7 @@ class _ConversationBase:
     def _save_request(self, sink: AsyncSink) -> None:
         self._check()
         self._check_settled("save()")
+        self._client.check_savable(self._history.snapshot()[0])
         self._client.send(Save(self.id, sink))
 
     def _saved(self, item: Item) -> bytes:
@@ -254,7 +253,7 @@ class _ConversationBase:
         if guide is not None:
             if sampling.context_shift:
                 raise InvalidRequestError("a guided stream cannot shift its context: the two histories stay in step")
-        inside = self._client.in_thinking(self._history.tokens[-4:])
+        inside = self._client.generation_start(self._history.tokens[-4:], guide._history.tokens[-1:] if guide else ())
         matcher = self._client.constraint(sampling, inside_thinking=inside)
         admission = self._client.admission
         if not admission.enter():

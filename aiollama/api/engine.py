@@ -20,6 +20,7 @@ from aiollama._validate import lora_set
 from aiollama.api.chat_turns import ChatTurns, tools_as_text
 from aiollama.api.client import EngineClient
 from aiollama.api.conversation import Completion, Conversation
+from aiollama.api.media import Image
 from aiollama.api.portal import AsyncSink, current_portal
 from aiollama.config import EngineConfig
 from aiollama.decoder.commands import ClearCache, Embed, Load, NewConversation
@@ -277,6 +278,13 @@ class Engine(_EngineBase):
         with anyio.CancelScope(shield=True):
             item = await sink.get()
         return self._vectors(item)
+
+    async def encode_images(self, images: Sequence[Image]) -> None:
+        """Encode pictures on a worker thread, so that the prompts or chats that send them next do
+        not encode them on the event loop. Raises ImageError as a prompt with them would."""
+        client = self._client
+        for image in images:
+            await anyio.to_thread.run_sync(client.images.tokens, image)
 
     async def clear_cache(self) -> None:
         """Drop the prefix cache: what closed conversations left in the KV cache, and every state

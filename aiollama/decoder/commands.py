@@ -7,7 +7,7 @@ protocols through which its answers come back, and the one counter both sides sh
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +55,8 @@ class Prompt:
 
     conv: int
     tokens: tuple[int, ...]
+    # image number -> the embedding rows its placeholders in ``tokens`` stand for
+    images: Mapping[int, Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)

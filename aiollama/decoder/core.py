@@ -58,7 +58,8 @@ class EngineCore:
                                    host_bytes=config.host_cache_bytes, can_shift=executor.can_shift,
                                    ordered=config.deterministic, draft_model=config.draft_model is not None,
                                    kv_unified=executor.kv_unified, memory=executor.memory,
-                                   checkpoint_bytes=config.checkpoint_bytes)
+                                   checkpoint_bytes=config.checkpoint_bytes,
+                                   whole_images=getattr(executor, "whole_images", False))
         self.outbox = Outbox()
         self.generations = Generations(admission, self.outbox, executor.n_ctx)
         self.prefilling: frozenset[int] = frozenset()  # a cancel of these aborts the running decode

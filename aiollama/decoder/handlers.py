@@ -64,6 +64,8 @@ class Handlers:
 
     def _prompt(self, command: Prompt) -> None:
         sched, gens = self.core.scheduler, self.core.generations
+        if command.images and command.conv in sched:
+            sched.images.add(command.conv, command.images)
         if command.conv in sched and not gens.defer(command.conv, command.tokens):
             sched.append(command.conv, command.tokens)
 

@@ -13,6 +13,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from aiollama.config import EngineConfig
 from aiollama.decoder.commands import (
@@ -58,6 +59,7 @@ class DecodeLoop:
         self.dead: EngineDead | None = None
         self._failed: Command | None = None  # the command the decode thread failed on
         self.tokenizer: Tokenizer | None = None  # set once the executor is open
+        self.projector: Any = None
         self.fingerprint: Mapping[str, str | int] = {}
         self.n_ctx = 0
         self._open_executor = open_executor
@@ -125,6 +127,7 @@ class DecodeLoop:
                 return
             self.tokenizer, self.n_ctx, outbox = executor.tokenizer, executor.n_ctx, core.outbox
             self.fingerprint = executor.fingerprint
+            self.projector = getattr(executor, "projector", None)  # images: used from the callers' threads
             self._core = core
             self._ready.set()
             try:

@@ -29,6 +29,7 @@ from aiollama.formats.tokens import SpecialToken, Tokenizer
 _CONTENT = "\ue000{}\ue001"  # private-use characters: no tokenizer or template gives them meaning
 _CONTENT_RE = re.compile("\ue000([0-9]+)\ue001")
 REPLY = "\ue002"  # stands for the previous assistant reply, which is already in the conversation
+IMAGE = "\ue003"  # stands for a picture in a message's content (its tokens come from the projector)
 
 Messages = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
@@ -150,16 +151,19 @@ def _split(text: str, specials: Sequence[SpecialToken]) -> list[str | SpecialTok
     return parts
 
 
-def chat_tokens(tokenizer: Tokenizer, parts: Sequence[Segment], *, first: bool) -> list[int]:
+def chat_tokens(tokenizer: Tokenizer, parts: Sequence[Segment], *, first: bool,
+                images: Sequence[list[int]] = ()) -> list[int]:
     """Token ids of rendered chat text: split at the special tokens of the template's own text only,
     and the text between them (template text and caller content alike) tokenized in one piece
     without parsing special tokens. ``first``: the conversation is new, so BOS comes first when the
-    model asks for it (once, also when the template wrote it)."""
+    model asks for it (once, also when the template wrote it). ``images``: the tokens of the
+    pictures that :data:`IMAGE` marks in the contents, in order."""
     template_text = "".join(p.text for p in parts if p.template)
     specials = [t for t in tokenizer.special_tokens() if t.control and t.text in template_text]
     fragments: list[str | SpecialToken] = []
+    image_mark = SpecialToken(-1, IMAGE, control=False)
     for part in parts:
-        for piece in _split(part.text, specials) if part.template else [part.text]:
+        for piece in _split(part.text, specials) if part.template else _split(part.text, [image_mark]):
             if isinstance(piece, str) and fragments and isinstance(fragments[-1], str):
                 fragments[-1] += piece
             else:
@@ -173,8 +177,11 @@ def chat_tokens(tokenizer: Tokenizer, parts: Sequence[Segment], *, first: bool) 
             if frag.rstrip and isinstance(after, str):
                 fragments[i + 1] = after.lstrip(_ASCII_SPACE)
     tokens: list[int] = []
+    pictures = iter(images)
     for frag in fragments:
-        if isinstance(frag, SpecialToken):
+        if frag is image_mark:
+            tokens += next(pictures, [])
+        elif isinstance(frag, SpecialToken):
             tokens.append(frag.id)
         elif frag:
             tokens += tokenizer.tokenize(frag, add_special=False, special=False)

@@ -11,8 +11,9 @@ from aiollama.native.context import Context, DecodeStatus
 from aiollama.native.handle import open_handles
 from aiollama.native.lora import LoraAdapter
 from aiollama.native.model import Model, Vocab
+from aiollama.native.projector import Projector
 from aiollama.native.sampler import SamplerChain, sample_rows
 from aiollama.native.threads import available_cpus
 
-__all__ = ["Batch", "Context", "DecodeStatus", "LoraAdapter", "Model", "SamplerChain", "Vocab", "available_cpus",
+__all__ = ["Batch", "Context", "DecodeStatus", "LoraAdapter", "Model", "Projector", "SamplerChain", "Vocab", "available_cpus",
            "open_handles", "sample_rows"]

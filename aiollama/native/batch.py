@@ -13,23 +13,26 @@ from typing import Any
 
 from aiollama._validate import MAX_SEQ, integer
 from aiollama.errors import InvalidBatchError, InvalidSeqIdError, InvalidTokenError
-from aiollama.native.binding import lib
+from aiollama.native.binding import ffi, lib
 from aiollama.native.handle import Handle
 
 __all__ = ["MAX_SEQ", "Batch"]
 
 
 class Batch(Handle):
-    """A reusable llama_batch of up to ``capacity`` rows, each in up to ``n_seq_max`` sequences."""
+    """A reusable llama_batch of up to ``capacity`` rows, each in up to ``n_seq_max`` sequences.
+    With ``n_embd`` > 0 its rows are embeddings of that width (an image's) instead of tokens."""
 
     _kind = "batch"
 
-    def __init__(self, capacity: int, n_seq_max: int = 1) -> None:
+    def __init__(self, capacity: int, n_seq_max: int = 1, *, n_embd: int = 0) -> None:
         integer("capacity", capacity, low=1)
         integer("n_seq_max", n_seq_max, low=1, high=MAX_SEQ)
+        integer("n_embd", n_embd, low=0)
         self.capacity = capacity
         self.n_seq_max = n_seq_max
-        self._own(lib.llama_batch_init(capacity, 0, n_seq_max))
+        self.n_embd = n_embd
+        self._own(lib.llama_batch_init(capacity, n_embd, n_seq_max))
         self.clear()
 
     def _free(self, ptr: Any) -> None:
@@ -77,6 +80,7 @@ class Batch(Handle):
 
     def add(self, token: int, pos: int, seq_ids: int | Sequence[int], output: bool = False) -> int:
         """Append one row and return its index in the batch."""
+        self._holds("tokens")
         integer("token", token)
         integer("pos", pos)
         if token < 0:
@@ -103,6 +107,7 @@ class Batch(Handle):
         """Append consecutive tokens of one sequence from ``pos`` on; return the index of the last row.
         ``output_last`` asks for the last row's logits, ``n_outputs`` for the last ``n_outputs`` rows'."""
         integer("pos", pos)
+        self._holds("tokens")
         ids = list(tokens)
         if not ids:
             raise InvalidBatchError("add_tokens needs at least one token")
@@ -129,6 +134,32 @@ class Batch(Handle):
         self.max_token = max(self.max_token, max(ids))
         self.n_tokens = n + k
         return last
+
+    def add_embeddings(self, rows: Any, pos: int, seq_id: int) -> None:
+        """Append consecutive embedding rows (a float32 array of ``(n, n_embd)``) of one sequence
+        from ``pos`` on; they ask for no logits."""
+        integer("pos", pos)
+        self._holds("embeddings")
+        shape: tuple[int, ...] = tuple(getattr(rows, "shape", ()))
+        if len(shape) != 2 or shape[1] != self.n_embd or shape[0] < 1 or str(getattr(rows, "dtype", "")) != "float32":
+            raise InvalidBatchError(f"embedding rows must be a float32 array of shape (n, {self.n_embd}), got "
+                                    f"{shape} {getattr(rows, 'dtype', type(rows).__name__)}")
+        k = int(shape[0])
+        self._place(k, pos, [seq_id])
+        c = self._get()
+        n = self.n_tokens
+        ffi.memmove(c.embd + n * self.n_embd, ffi.from_buffer(rows), k * self.n_embd * 4)
+        c.pos[n:n + k] = list(range(pos, pos + k))
+        c.n_seq_id[n:n + k] = [1] * k
+        c.logits[n:n + k] = [0] * k
+        seq_rows = c.seq_id
+        for i in range(n, n + k):
+            seq_rows[i][0] = seq_id
+        self.n_tokens = n + k
+
+    def _holds(self, kind: str) -> None:
+        if (kind == "embeddings") != (self.n_embd > 0):
+            raise InvalidBatchError(f"this batch holds {'embeddings' if self.n_embd else 'tokens'}, not {kind}")
 
     def __len__(self) -> int:
         return self.n_tokens

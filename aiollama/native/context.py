@@ -235,6 +235,11 @@ class Context(Handle, MemoryOps):
             raise InvalidOutputError(f"batch row {idx} has no logits from the last decode (rows with logits: {shown})")
         return idx
 
+    def set_causal(self, causal: bool) -> None:
+        """Causal attention (the default), or attention over every position of the ubatch for the
+        decodes that follow (the pictures of some projectors are decoded so)."""
+        lib.llama_set_causal_attn(self._get(), bool(causal))
+
     def set_adapters(self, adapters: Sequence[tuple[LoraAdapter, float]]) -> None:
         """Apply these LoRA adapters, each at its scale, from the next decode on (none: the base
         model). llama.cpp keeps the graph when the set is unchanged."""

@@ -22,6 +22,7 @@ import numpy as np
 from aiollama.errors import InvalidRequestError
 from aiollama.native import Batch, Context, DecodeStatus, Model, Vocab
 from aiollama.sched.kvtree import common_prefix
+from aiollama.sched.step import Slice
 
 VOCAB_SAMPLES = 64  # token pieces compared between the two vocabularies
 
@@ -140,3 +141,14 @@ class Drafter:
 
     def close(self) -> None:
         self._handles.close()
+
+
+def with_drafts(drafter: Drafter, slices: Sequence[Slice]) -> tuple[tuple[Slice, ...], dict[int, int]]:
+    """The slices with the draft model's tokens after their pending one, where it was asked for;
+    and how many each got, by conversation."""
+    asked = [s for s in slices if s.model_draft]
+    got = drafter.draft([(s.seq_id, s.history, s.model_draft) for s in asked])  # pending token last
+    tokens = {s.conv: d for s, d in zip(asked, got) if d}
+    out = tuple(Slice(s.conv, s.seq_id, s.pos, s.tokens + tokens[s.conv], True, len(tokens[s.conv]))
+                if s.conv in tokens else s for s in slices)
+    return out, {conv: len(d) for conv, d in tokens.items()}

@@ -26,11 +26,20 @@ from aiollama.errors import (
     UnsupportedModel,
 )
 from aiollama.formats.tokens import Tokenizer
-from aiollama.native import Batch, Context, DecodeStatus, LoraAdapter, Model, seqstate
+from aiollama.native import (
+    Batch,
+    Context,
+    DecodeStatus,
+    LoraAdapter,
+    Model,
+    Projector,
+    seqstate,
+)
 from aiollama.native.devices import fit, placement
 from aiollama.native.params import context_params
-from aiollama.runner.drafter import Drafter
+from aiollama.runner.drafter import Drafter, with_drafts
 from aiollama.runner.embedder import Embedder, is_embedding_model
+from aiollama.runner.images import ImageRows, images_for
 from aiollama.runner.ordered import OrderedCells
 from aiollama.runner.sampler import Sampling
 from aiollama.runner.tokenizer import VocabTokenizer
@@ -101,6 +110,20 @@ def recurrent_config(config: EngineConfig, name: str) -> EngineConfig:
     return dataclasses.replace(config, kv_unified=True, cache_seq_ids=ids)
 
 
+def failed_step(ctx: Context, plan: Plan, status: DecodeStatus, elapsed: float, applied: Applied,
+                early: bool = True) -> StepResult:
+    """The result of a step whose decode did not succeed (``early``: decodes of its image rows came
+    before the one that failed)."""
+    if status is DecodeStatus.NO_KV_SLOT and not early:
+        return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, **applied)
+    # ABORTED and failures keep the ubatches computed before them: say what the context holds
+    # (so does a step whose image rows were decoded before its last decode found no slot)
+    n_cached = {s.conv: ctx.seq_pos_max(s.seq_id) + 1 for s in plan.slices}
+    kind = StepStatus.FAILED if status not in (DecodeStatus.ABORTED, DecodeStatus.NO_KV_SLOT) else StepStatus.ABORTED
+    return StepResult(kind, n_cached=n_cached, decode_seconds=elapsed, detail=f"llama_decode: {status.name}",
+                      **applied)
+
+
 class NativeExecutor:
     """:class:`~aiollama.sched.step.Executor` over llama.cpp. Build it on the thread that will use it.
 
@@ -141,6 +164,15 @@ class NativeExecutor:
             if self._loras:
                 stack.callback(self.ctx.set_adapters, [])  # before the adapters are freed
             self._lora_now: tuple[tuple[str, float], ...] = ()
+            self.projector: Projector | None = None  # images: libmtmd's encoder, used from other threads
+            self._images: ImageRows | None = None
+            if config.mmproj is not None:
+                self.projector = stack.enter_context(images_for(config, self.model, self.embeds_only))
+                self._images = ImageRows(self.ctx, self.model.n_embd, self.projector.non_causal)
+                self.whole_images = self.projector.non_causal  # a picture's rows in one step, one ubatch
+                if self.whole_images:
+                    self.projector.max_rows = self.ctx.n_ubatch
+                stack.callback(self._images.close)
             self._drafter: Drafter | None = None
             if config.draft_model is not None and not self.embeds_only:
                 self._drafter = Drafter(config.draft_model, self.model.vocab, n_ctx=config.n_ctx,
@@ -199,9 +231,14 @@ class NativeExecutor:
             slices = sorted(slices, key=lambda s: s.seq_id)
         drafted: dict[int, int] = {}
         if self._drafter is not None and any(s.model_draft for s in slices):
-            slices, drafted = self._model_drafts(self._drafter, slices)
+            slices, drafted = with_drafts(self._drafter, slices)
         if self.sampling.backend:
             self.sampling.attach(slices)
+        called = False
+        if plan.media and self._images is not None:  # a prompt's image rows go first, in decodes of their own
+            status, slices, called = self._images.run(slices, plan.media, on_decode)
+            if status is not DecodeStatus.OK:
+                return failed_step(self.ctx, plan, status, 0.0, applied)
         batch = self.batch
         batch.clear()
         outputs: list[tuple[int, int]] = []
@@ -222,7 +259,7 @@ class NativeExecutor:
                 outputs.append((s.conv, last - s.draft))
         start = time.perf_counter()
         try:
-            status = self._decode(batch, on_decode)
+            status = self._decode(batch, None if called else on_decode) if len(batch) else DecodeStatus.OK
         finally:
             # Not cleared before the decode: a cancel that arrives between planning and decoding
             # must still interrupt it.
@@ -237,24 +274,7 @@ class NativeExecutor:
             scored = {s.conv: self.sampling.score(s, last) for s, last in scoring}
             return StepResult(StepStatus.OK, sampled, decode_seconds=elapsed, **applied,
                               failed=failed, drafted=drafted, scored=scored)
-        if status is DecodeStatus.NO_KV_SLOT:
-            return StepResult(StepStatus.NO_KV_SLOT, decode_seconds=elapsed, **applied)
-        # ABORTED and failures keep the ubatches computed before them: say what the context holds
-        n_cached = {s.conv: self.ctx.seq_pos_max(s.seq_id) + 1 for s in plan.slices}
-        kind = StepStatus.ABORTED if status is DecodeStatus.ABORTED else StepStatus.FAILED
-        return StepResult(kind, n_cached=n_cached, decode_seconds=elapsed, detail=f"llama_decode: {status.name}",
-                          **applied)
-
-    @staticmethod
-    def _model_drafts(drafter: Drafter, slices: Sequence[Slice]) -> tuple[tuple[Slice, ...], dict[int, int]]:
-        """The slices with the draft model's tokens after their pending one, where it was asked
-        for; and how many each got, by conversation."""
-        asked = [s for s in slices if s.model_draft]
-        got = drafter.draft([(s.seq_id, s.history, s.model_draft) for s in asked])  # pending token last
-        tokens = {s.conv: d for s, d in zip(asked, got) if d}
-        out = tuple(Slice(s.conv, s.seq_id, s.pos, s.tokens + tokens[s.conv], True, len(tokens[s.conv]))
-                    if s.conv in tokens else s for s in slices)
-        return out, {conv: len(d) for conv, d in tokens.items()}
+        return failed_step(self.ctx, plan, status, elapsed, applied, called)
 
     def _decode(self, batch: Batch, on_decode: Callable[[], None] | None) -> DecodeStatus:
         return self.ctx.decode(batch, on_decode)

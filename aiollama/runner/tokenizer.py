@@ -15,6 +15,7 @@ from typing import Any
 
 from aiollama.errors import ClosedError, EngineClosed
 from aiollama.formats import constraints
+from aiollama.formats.media import has_images, text_only
 from aiollama.formats.tokens import SpecialToken
 from aiollama.native import Vocab
 from aiollama.native.binding import lib
@@ -45,6 +46,8 @@ class VocabTokenizer:
             return vocab.tokenize(text, add_special=add_special, parse_special=special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        if has_images(tokens):  # an image's placeholders have no text
+            tokens = text_only(tokens)
         with self._pinned() as vocab:
             return vocab.detokenize(tokens)
 

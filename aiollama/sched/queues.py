@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from aiollama.sched.images import ImageStore
 from aiollama.sched.kvcache import MIN_PARK_TOKENS, KVManager
 from aiollama.sched.lockstep import generations
 from aiollama.sched.sequence import Phase, SeqState
@@ -31,6 +32,7 @@ class Queues:
         self._waiting: deque[SeqState] = deque()
         self._running: list[SeqState] = []
         self._clock = clock
+        self.images = ImageStore()  # the rows of the pictures in the conversations' histories
 
     def get(self, conv: int) -> SeqState:
         return self._seqs[conv]
@@ -80,6 +82,7 @@ class Queues:
         src.last_used = self.kv.tick()
         child_seq = self.add(child, src.tokens if n_tokens is None else src.tokens[:n_tokens])
         child_seq.salt, child_seq.lora = src.salt, src.lora
+        self.images.fork(parent, child)
         return child_seq
 
     def rewind(self, conv: int, n_tokens: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from aiollama.sched.images import whole
 from aiollama.sched.kvcache import KVManager
 from aiollama.sched.step import Slice
 
@@ -15,8 +16,9 @@ from aiollama.sched.step import Slice
 Preempt = Callable[[bool], set[int]]
 
 
-def fit(slices: list[Slice], kv: KVManager, preempt: Preempt) -> list[Slice]:
-    """Drop or shrink ``slices`` until they fit in the free cells, evicting and preempting."""
+def fit(slices: list[Slice], kv: KVManager, preempt: Preempt, whole_images: bool = False) -> list[Slice]:
+    """Drop or shrink ``slices`` until they fit in the free cells, evicting and preempting
+    (``whole_images``: a shrunk slice cuts no picture, see :func:`aiollama.sched.images.whole`)."""
     def need() -> int:
         return sum(s.cells for s in slices)
 
@@ -32,6 +34,8 @@ def fit(slices: list[Slice], kv: KVManager, preempt: Preempt) -> list[Slice]:
         i = prompt_slices[-1]
         s = slices[i]
         keep = len(s.tokens) - (need() - kv.cells.free)
+        if whole_images and keep > 0:
+            keep = whole(s.tokens, 0, keep)
         if keep <= 0:
             del slices[i]
             starved = True

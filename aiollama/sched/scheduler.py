@@ -37,10 +37,12 @@ import time
 from collections.abc import Callable, Mapping
 
 from aiollama.errors import ContextFull, InvalidRequestError
+from aiollama.formats.media import has_images
 from aiollama.sched.checkpoints import CheckpointStore
 from aiollama.sched.drafting import add_drafts
 from aiollama.sched.hostcache import HostCache
 from aiollama.sched.idle import trim_idle
+from aiollama.sched.images import whole_take
 from aiollama.sched.kvcache import KVManager
 from aiollama.sched.kvtree import common_prefix
 from aiollama.sched.lockstep import lockstep
@@ -76,7 +78,7 @@ class Scheduler(Queues):
     def __init__(self, *, n_ctx: int, n_seq_max: int, n_batch: int, step_tokens: int, n_cells: int | None = None,
                  max_running: int | None = None, host_bytes: int = 0, can_shift: bool = True,
                  ordered: bool = False, draft_model: bool = False, kv_unified: bool = False,
-                 memory: str = "kv", checkpoint_bytes: int = 0,
+                 memory: str = "kv", checkpoint_bytes: int = 0, whole_images: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
@@ -86,6 +88,7 @@ class Scheduler(Queues):
         self.max_running = min(max_running or n_seq_max, n_seq_max)
         self.can_shift = can_shift and memory == "kv"  # the memory can move positions (seq_add)
         self.draft_model = draft_model  # drafts come from the executor's draft model, not n-grams
+        self.whole_images = whole_images  # a picture's rows go in one step (decoded with attention over all)
         # n_ctx: what one sequence can hold; n_cells: the cells of all (n_ctx in a unified cache)
         kv = KVManager(n_cells or n_ctx, n_seq_max, HostCache(host_bytes), ordered=ordered) if memory == "kv" \
             else RecurrentKV(n_cells or n_ctx, n_seq_max, HostCache(host_bytes),
@@ -159,6 +162,7 @@ class Scheduler(Queues):
         """The conversation is closed: its cached prefix stays as a cache entry."""
         self.finish(conv)
         self.kv.retire(self._seqs.pop(conv))
+        self.images.drop(conv)
 
     # the step
 
@@ -171,14 +175,14 @@ class Scheduler(Queues):
             self._idle_changed = False
             self.idle_trims += trim_idle(self.kv, self._running)
         group = self._lora_group()
-        slices = fit(self._slices(group), self.kv, self._preempt_newest)
+        slices = fit(self._slices(group), self.kv, self._preempt_newest, self.whole_images)
         if self._pairs:
             slices = lockstep(slices, self._seqs)
         if self.kv.holes:  # ordered cells only: never summed on the common path
             self.kv.room(sum(s.cells for s in slices))
         admitted, self._admitted = tuple(self._admitted), []
         shifted, self._shifted = tuple(self._shifted), []
-        return Plan(self.kv.take_ops(), tuple(slices), admitted, shifted, group)
+        return Plan(self.kv.take_ops(), tuple(slices), admitted, shifted, group, self.images.rows)
 
     def _lora_group(self) -> tuple[tuple[str, float], ...]:
         """The adapter set this step decodes: the running sequences' sets take turns, a step each
@@ -276,7 +280,7 @@ class Scheduler(Queues):
                 prefill.append(seq)
         rows = len(slices) + add_drafts(slices, drafting, self._seqs, n_batch=self.n_batch, n_ctx=self.n_ctx,
                                         draft_model=self.draft_model)
-        room = self.n_batch - rows
+        room, first = self.n_batch - rows, len(slices)
         budget = min(room, max(self.step_tokens - rows, MIN_PREFILL_CHUNK))
         if prefill and budget > 0:
             start = self._rr % len(prefill)
@@ -289,6 +293,8 @@ class Scheduler(Queues):
                 take = min(seq.pending, budget)
                 if isinstance(self.kv, RecurrentKV):
                     take = self.kv.take(seq, take, self._running)
+                if self.whole_images and has_images(seq.tokens[pos:pos + take + 1]):
+                    take = whole_take(seq.tokens, pos, take, room - sum(len(s.tokens) for s in slices[first:]))
                 slices.append(Slice(seq.conv, seq.seq_id, pos, tuple(seq.tokens[pos:pos + take]),
                                     take == seq.pending, history=seq.tokens if seq.score else (),
                                     score=seq.score))

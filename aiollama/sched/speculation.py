@@ -45,7 +45,9 @@ def draft(tokens: Sequence[int], limit: int) -> tuple[int, ...]:
             if at % size == 0:  # on a token boundary
                 first = at // size + n
                 if first < n_tokens:
-                    return tuple(window[first:first + limit])
+                    found = tuple(window[first:first + limit])
+                    # an image's placeholders are no tokens to draft: the draft stops before them
+                    return found if min(found) >= 0 else found[:next(i for i, t in enumerate(found) if t < 0)]
                 break
             end = at + n * size - 1  # a misaligned hit: look further back
     return ()

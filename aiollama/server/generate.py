@@ -22,11 +22,13 @@ from aiollama.errors import (
 )
 from aiollama.formats.toolcalls import call_schema, tool_schemas
 from aiollama.sampling import seed_for
+from aiollama.server.images import read_images
 from aiollama.server.requests import (
     BadRequest,
     Request,
     chat_request,
     completion_request,
+    message_text,
 )
 from aiollama.server.shape import ChatChoice, TextChoice, prompt_logprobs
 from aiollama.server.state import (
@@ -70,7 +72,7 @@ class _Job:
 
 def _start(state: State, req: Request, chat: bool) -> _Job:
     engine = serving_engine(state)
-    texts = [req.prompt] if isinstance(req.prompt, str) else [str(m.get("content") or "") for m in req.messages or ()]
+    texts = [req.prompt] if isinstance(req.prompt, str) else [message_text(m) for m in req.messages or ()]
     check_prompt_size(state, engine, texts, engine.n_ctx)
     root = engine.conversation(cache_salt=req.cache_salt, lora=lora_names(engine, req.lora))
     convs = [root]
@@ -183,6 +185,8 @@ async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -
     key: str = getattr(request.state, "api_key", "")
     release = state.guard.hold(key)
     try:
+        if chat and req.messages is not None:
+            await read_images(serving_engine(state), req.messages, state.fetch_images)
         job = _start(state, req, chat)
     except BaseException:
         release()

@@ -314,16 +314,12 @@ def chat_request(body: Any) -> Request:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
         content = message.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported",
-                                 param=f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image_url", ...}]
+            content = _parts(content, f"messages[{i}].content")
         if content is None:
             content = ""
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+        if not isinstance(content, (str, list)):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content")
         item = {"role": message["role"], "content": content}
         for key in ("tool_calls", "tool_call_id", "name"):
             if message.get(key) is not None:
@@ -331,6 +327,31 @@ def chat_request(body: Any) -> Request:
         out.append(item)
     request.messages = out
     return request
+
+
+def _parts(content: list[Any], where: str) -> str | list[dict[str, Any]]:
+    """A content list: its text, or (with pictures) the parts, each image_url's URL checked."""
+    for j, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") not in ("text", "image_url"):
+            raise BadRequest(f"{where}[{j}]: a part is text or image_url", param=f"{where}[{j}]")
+        if p["type"] == "text" and not isinstance(p.get("text"), str):
+            raise BadRequest(f"{where}[{j}].text must be a string", param=f"{where}[{j}]")
+        if p["type"] == "image_url":
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
+                raise BadRequest(f"{where}[{j}].image_url.url must be a data:, http: or https: URL",
+                                 param=f"{where}[{j}].image_url")
+            content[j] = {"type": "image_url", "image_url": {"url": url}}
+    if all(p["type"] == "text" for p in content):
+        return "".join(p["text"] for p in content)
+    return content
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """The text of a message's content (without its pictures)."""
+    content = message.get("content") or ""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ class State:
     responses: ResponseStore = field(default_factory=ResponseStore)
     longest_piece: int = 0  # the most bytes one token stands for (0: not looked up yet)
     defaults: dict[str, Any] = field(default_factory=dict)  # stream parameters a request may override
+    fetch_images: bool = False  # image_url parts may name http(s) URLs for the server to fetch
     metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
