@@ -341,3 +341,60 @@ def test_placeholders_runs_and_whole_pictures() -> None:
     assert store.rows == {1: "rows of 1", 2: "rows of 2"} and store.held(2) == {1, 2}
     store.drop(2)
     assert store.rows == {}
+
+
+def test_the_messages_and_responses_apis_and_fetched_urls_read_pictures(tiny_path: Path, mmproj: Path) -> None:
+    import http.server
+    import threading
+
+    class Picture(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200 if self.path == "/cat.png" else 404)
+            self.end_headers()
+            if self.path == "/cat.png":
+                self.wfile.write(PICTURE)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Picture)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    here = f"http://127.0.0.1:{files.server_address[1]}"
+    data = base64.b64encode(PICTURE).decode()
+    server = Server(tiny_path, "--n-ctx", "1024", "--n-seq-max", "2", "--log-level", "warning", "--mmproj", str(mmproj),
+                    "--fetch-images")
+    try:
+        def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+            status, _, answer = server.post(path, json.dumps(body).encode())
+            return status, answer
+
+        def chat(url: str) -> tuple[int, Any]:
+            return post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}],
+                "max_tokens": 4, "temperature": 0})
+
+        status, by_data = chat("data:image/png;base64," + data)
+        assert status == 200, by_data
+        status, fetched = chat(here + "/cat.png")
+        assert status == 200 and fetched["choices"][0]["message"] == by_data["choices"][0]["message"]
+        status, missing = chat(here + "/dog.png")
+        assert status == 400 and missing["error"]["param"] == "messages[0].content[1].image_url"
+        blocks = [{"type": "text", "text": "What is this?"},
+                  {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]
+        status, counted = post("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": blocks}]})
+        assert status == 200 and counted["input_tokens"] > N_IMAGE_TOKENS
+        status, message = post("/v1/messages", {"model": "m", "max_tokens": 4, "temperature": 0,
+                                                 "messages": [{"role": "user", "content": blocks}]})
+        usage = message["usage"]  # Anthropic's input_tokens leave out what the cache held
+        assert status == 200 and usage["input_tokens"] + usage["cache_read_input_tokens"] == counted["input_tokens"]
+        status, bad = post("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "x"}}]}]})
+        assert status == 400 and bad["error"]["type"] == "invalid_request_error"
+        status, response = post("/v1/responses", {"max_output_tokens": 4, "temperature": 0, "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                         {"type": "input_image", "image_url": "data:image/png;base64," + data}]}]})
+        assert status == 200 and response["usage"]["input_tokens"] > N_IMAGE_TOKENS, response
+    finally:
+        server.stop()
+        files.shutdown()
+        files.server_close()

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 
 from aiollama import Engine, Image
-from aiollama.errors import AiollamaError
+from aiollama.errors import AiollamaError, ImageError
 from aiollama.server.requests import BadRequest
 
 MAX_FETCHED_BYTES = 32 * 2**20
@@ -51,7 +51,7 @@ def _fetch(url: str) -> bytes:
         with urllib.request.urlopen(url, timeout=FETCH_SECONDS) as response:  # noqa: S310 (http(s) only, checked)
             data: bytes = response.read(MAX_FETCHED_BYTES + 1)
     except (OSError, ValueError) as exc:
-        raise BadRequest(f"the image at {url[:200]} could not be fetched: {exc}") from None
+        raise ImageError(f"the image at {url[:200]} could not be fetched: {exc}") from None
     if len(data) > MAX_FETCHED_BYTES:
-        raise BadRequest(f"the image at {url[:200]} is larger than {MAX_FETCHED_BYTES} bytes")
+        raise ImageError(f"the image at {url[:200]} is larger than {MAX_FETCHED_BYTES} bytes")
     return data

@@ -21,8 +21,9 @@ from aiollama import Engine, FinishReason, Stream
 from aiollama.errors import AiollamaError
 from aiollama.formats.toolcalls import tool_schemas
 from aiollama.server.generate import cancel_on_disconnect
+from aiollama.server.images import read_images
 from aiollama.server.messages_request import MessagesRequest, messages_request
-from aiollama.server.requests import BadRequest
+from aiollama.server.requests import BadRequest, message_text
 from aiollama.server.shape import ChatChoice
 from aiollama.server.state import (
     State,
@@ -56,10 +57,20 @@ async def count_tokens(state: State, request: HttpRequest) -> Response:
     """``/v1/messages/count_tokens``: the prompt tokens the same body would evaluate."""
     req = messages_request(await state.guard.read_json(request), count_only=True)
     engine = serving_engine(state)
-    check_prompt_size(state, engine, [str(m.get("content") or "") for m in req.messages], engine.n_ctx)
+    check_prompt_size(state, engine, [message_text(m) for m in req.messages], engine.n_ctx)
+    tools = req.tools if req.tool_choice != "none" else None
+    if any(not isinstance(m.get("content"), str) for m in req.messages):  # pictures: count as a turn takes them
+        await read_images(engine, req.messages, state.fetch_images)
+        conv = engine.conversation()
+        try:
+            return JSONResponse({"input_tokens": conv.append_chat(req.messages, tools=tools,
+                                                                  chat_template_kwargs=template_kwargs(engine, req))})
+        except AiollamaError as exc:
+            raise translate(exc) from None
+        finally:
+            conv.close_nowait()
     try:
-        text = engine.render_chat(req.messages, tools=req.tools if req.tool_choice != "none" else None,
-                                  chat_template_kwargs=template_kwargs(engine, req))
+        text = engine.render_chat(req.messages, tools=tools, chat_template_kwargs=template_kwargs(engine, req))
     except AiollamaError as exc:
         raise translate(exc) from None
     tokens = await anyio.to_thread.run_sync(lambda: engine.tokenize(text, add_special=False, special=True))
@@ -70,6 +81,7 @@ async def create(state: State, request: HttpRequest) -> Response:
     req = messages_request(await state.guard.read_json(request))
     release = state.guard.hold(getattr(request.state, "api_key", ""))
     try:
+        await read_images(serving_engine(state), req.messages, state.fetch_images)
         reply = _start(state, req)
     except BaseException:
         release()
@@ -153,7 +165,7 @@ def tool_use(call: dict[str, Any]) -> dict[str, Any]:
 
 def _start(state: State, req: MessagesRequest) -> Reply:
     engine = serving_engine(state)
-    check_prompt_size(state, engine, [str(m.get("content") or "") for m in req.messages], engine.n_ctx)
+    check_prompt_size(state, engine, [message_text(m) for m in req.messages], engine.n_ctx)
     conv = engine.conversation()
     try:
         stream = conv.chat(req.messages, tools=req.tools, tool_choice=req.tool_choice,

@@ -141,6 +141,8 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     for kind, block, at in _blocks(blocks, where):
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+        elif kind == "image":
+            texts.append(_image(block, at))
         elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
             content = block.get("content")
             text = "" if content is None else _text_blocks(content, f"{at}.content")
@@ -150,9 +152,26 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
                 raise BadRequest(f"{at}.is_error must be a boolean", param=f"{at}.is_error")
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         else:
-            raise BadRequest(f"{at}: a user message holds text and tool_result blocks here, not {kind!r}",
+            raise BadRequest(f"{at}: a user message holds text, image and tool_result blocks here, not {kind!r}",
                              param=at, code="unsupported_parameter")
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+    # with pictures, the chat API's content parts
+    parts: Any = ([t if isinstance(t, dict) else {"type": "text", "text": t} for t in texts]
+                  if any(isinstance(t, dict) for t in texts) else "".join(texts))
+    return results + ([{"role": "user", "content": parts}] if texts or not results else [])
+
+
+def _image(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An image block as an image_url part: a base64 source becomes a data: URL."""
+    source: Any = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        url = f"data:{source['media_type']};base64,{source['data']}"
+    elif kind == "url" and isinstance(source.get("url"), str) and source["url"].startswith(("http://", "https://")):
+        url = source["url"]
+    else:
+        raise BadRequest(f"{at}.source must be a base64 source (media_type, data) or a url source",
+                         param=f"{at}.source")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _assistant(blocks: list[Any], where: str) -> list[dict[str, Any]]:

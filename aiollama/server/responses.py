@@ -24,7 +24,8 @@ from aiollama import Chunk, Conversation, FinishReason, Stream
 from aiollama.errors import AiollamaError
 from aiollama.formats.toolcalls import tool_schemas
 from aiollama.server.generate import cancel_on_disconnect
-from aiollama.server.requests import BadRequest
+from aiollama.server.images import read_images
+from aiollama.server.requests import BadRequest, message_text
 from aiollama.server.responses_request import ResponsesRequest, responses_request
 from aiollama.server.shape import ChatChoice
 from aiollama.server.state import (
@@ -46,6 +47,7 @@ async def create(state: State, request: HttpRequest) -> Response:
     key: str = getattr(request.state, "api_key", "")
     release = state.guard.hold(key)
     try:
+        await read_images(serving_engine(state), req.messages, state.fetch_images)
         turn = _start(state, req)
     except BaseException:
         release()
@@ -153,7 +155,7 @@ def _start(state: State, req: ResponsesRequest) -> Turn:
     messages = req.messages
     if req.instructions:  # this turn's instructions (a continuation does not inherit earlier ones)
         messages = [{"role": "system", "content": req.instructions}, *messages]
-    check_prompt_size(state, engine, [str(m.get("content") or "") for m in messages], engine.n_ctx)
+    check_prompt_size(state, engine, [message_text(m) for m in messages], engine.n_ctx)
     if req.previous_response_id is not None:
         stored = state.responses.get(req.previous_response_id)
         if stored is None:

@@ -96,13 +96,26 @@ def _effort(value: Any) -> str | None:
     return effort
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str) -> Any:
+    """A message's text, or with pictures (``input_image`` parts) the chat API's content parts."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise BadRequest(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        parts = []
+        for j, p in enumerate(content):
+            url = p.get("image_url")
+            if p.get("type") in ("input_text", "output_text", "text") and isinstance(p.get("text"), str):
+                parts.append({"type": "text", "text": p["text"]})
+            elif p.get("type") == "input_image" and isinstance(url, str) and url.startswith(("data:", "http")):
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+            else:
+                raise BadRequest(f"{where}.content[{j}]: a part is text or input_image (with image_url; "
+                                 "file_id is not supported)", param=f"{where}.content[{j}]")
+        return parts
+    raise BadRequest(f"{where}.content must be a string or a list of text and image parts", param=f"{where}.content")
 
 
 def input_messages(value: Any) -> list[dict[str, Any]]:
