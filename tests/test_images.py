@@ -206,13 +206,17 @@ async def test_preempted_streams_evaluate_their_pictures_again(tiny_path: Path, 
     # preempted ones drop their cells and evaluate the picture again from their own rows
     async with Engine(tiny_path, mmproj=mmproj, n_ctx=256, n_seq_max=4, cache_seq_ids=0,
                       host_cache_bytes=0) as engine:
-        convs = []
-        for _ in range(4):
+        parent = engine.conversation()
+        parent.prompt(_prompt())
+        convs = [parent.fork()]  # it keeps the picture's rows after its parent is closed
+        await parent.aclose()
+        for _ in range(3):
             c = engine.conversation()
-            c.prompt(_prompt())
+            c.prompt(_prompt(OTHER))
             convs.append(c)
         results = await _all([c.stream(max_tokens=60, temperature=0) for c in convs])
-        assert [r.tokens for r in results] == [ref] * 4
+        ref = [ref] + [_reference(tiny_path, mmproj, OTHER, 60)] * 3
+        assert [r.tokens for r in results] == ref
         assert engine.statistics().preemptions > 0
 
 
@@ -398,3 +402,23 @@ def test_the_messages_and_responses_apis_and_fetched_urls_read_pictures(tiny_pat
         server.stop()
         files.shutdown()
         files.server_close()
+
+
+async def test_a_hybrid_model_takes_pictures_too(smollm2_path: Path, mmproj: Path) -> None:
+    """LFM2 (short convolutions beside attention): a picture prompt, a prefix hit on it, a fork and a
+    rewind to the prompt's end give llama.cpp's own tokens; the recurrent state goes back to the
+    checkpoint at the prompt's end."""
+    from tiny_model import lfm2_model
+
+    path = lfm2_model(aiollama.cache_dir() / "test-models", smollm2_path)
+    want = _reference(path, mmproj, PICTURE)
+    async with Engine(path, mmproj=mmproj, n_ctx=512, n_seq_max=4, step_tokens=6) as engine:
+        conv = engine.conversation()
+        conv.prompt(_prompt())
+        assert (await conv.stream(max_tokens=N, temperature=0)).tokens == want
+        again = engine.conversation()
+        again.prompt(_prompt())
+        got = await again.stream(max_tokens=N, temperature=0)
+        assert got.tokens == want and got.stats.cached_tokens > N_IMAGE_TOKENS
+        conv.rewind(N)
+        assert (await conv.stream(max_tokens=N, temperature=0)).tokens == want

@@ -8,6 +8,11 @@ closes, forced evictions and steps keep every invariant:
 - a step never takes cells from a running conversation it did not preempt;
 - every generation finishes.
 
+``TestImageScheduler`` adds pictures (placeholder rows, see ``aiollama.formats.media``) to prompts,
+as a projector whose pictures go whole in one step does: every picture row a plan decodes has its
+rows in the plan (the conversation that holds it brought them, or a fork inherited them), and no
+slice ends inside a picture.
+
 ``TestHybridScheduler`` runs the same machine over a hybrid model's memory (a recurrent state beside
 the cells, see ``fake_kv``), with failed decodes too: every holder's state is then the one after its
 cells, so a rewind, a prefix hit, a preemption or a failure went back to a checkpoint or to nothing.
@@ -29,6 +34,7 @@ from hypothesis.stateful import (
 )
 
 from aiollama.errors import ContextFull
+from aiollama.formats.media import image_row, placeholders
 from aiollama.sched.kvtree import common_prefix
 from aiollama.sched.scheduler import Scheduler
 from aiollama.sched.sequence import Phase
@@ -39,14 +45,19 @@ tokens = st.lists(st.integers(1, 50), min_size=1, max_size=30)
 SYSTEM = list(range(101, 125))  # a prefix many conversations share, so that the cache gets hits
 
 
+def picture(number: int) -> list[int]:
+    return placeholders(number, 2 + 2 * number)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     memory = "kv"
+    images = False
 
     @initialize(host=st.sampled_from([0, HOST]), checkpoints=st.sampled_from([0, HOST]))
     def setup(self, host: int, checkpoints: int) -> None:
         self.sched = Scheduler(n_ctx=N_CTX, n_seq_max=N_SEQ_IDS, n_batch=N_BATCH, step_tokens=STEP,
                                max_running=MAX_RUNNING, host_bytes=host, memory=self.memory,
-                               checkpoint_bytes=checkpoints)
+                               checkpoint_bytes=checkpoints, whole_images=self.images)
         self.kv = FakeKV(N_CTX, N_SEQ_IDS, recurrent=self.memory != "kv")
         self.next_id = 1
         self.limits: dict[int, int] = {}  # running generations: tokens still to generate
@@ -71,6 +82,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.sched.get(conv).phase is Phase.IDLE:  # the decode thread defers prompts to busy ones
             self.sched.append(conv, toks)
 
+    @precondition(lambda self: self.images)
+    @rule(toks=tokens, number=st.integers(0, 3), data=st.data())
+    def add_or_prompt_a_picture(self, toks: list[int], number: int, data: st.DataObject) -> None:
+        """A prompt with a picture: its conversation brings the picture's rows."""
+        live = [c for c in self._live() if self.sched.get(c).phase is Phase.IDLE]
+        conv = data.draw(st.sampled_from([None, *live]))
+        if conv is None:
+            conv, self.next_id = self.next_id, self.next_id + 1
+            self.sched.add(conv, SYSTEM + picture(number) + toks)
+        else:
+            self.sched.append(conv, picture(number) + toks)
+        self.sched.images.add(conv, {number: ["row"] * len(picture(number))})
+
+    def _check_pictures(self, plan: Plan) -> None:
+        for s in plan.slices:
+            history = self.sched.get(s.conv).tokens
+            for t in s.tokens:
+                if t < 0:
+                    number, row = image_row(t)
+                    assert number in plan.media and row < len(plan.media[number]), "a picture without its rows"
+            end = s.pos + len(s.tokens)
+            if s.tokens[-1] < 0 and end < len(history) and history[end] < 0:
+                (number, row), following = image_row(s.tokens[-1]), image_row(history[end])
+                assert following != (number, row + 1), "a slice ends inside a picture"
+
     @precondition(lambda self: self.sched.n_live)
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
@@ -85,7 +121,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def stream(self, data: st.DataObject, n: int, shift: bool, draft: int) -> None:
         conv = data.draw(st.sampled_from(self._live()))
         seq = self.sched.get(conv)
-        if seq.phase is not Phase.IDLE or not seq.tokens:
+        if seq.phase is not Phase.IDLE or not seq.tokens or seq.tokens[-1] < 0:  # (the API refuses the last)
             return
         try:
             self.sched.submit(conv, n_keep=4 if shift else None, draft=draft)
@@ -138,6 +174,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not plan.slices:
             self.sched.update(plan, StepResult(StepStatus.OK, **applied))
             return
+        self._check_pictures(plan)
         assert self.kv.decode(plan, limit=plan.n_tokens // 2)
         n_cached = {s.conv: self.kv.pos_max(s.seq_id) + 1 for s in plan.slices}
         self.sched.update(plan, StepResult(StepStatus.ABORTED, n_cached=n_cached, **applied))
@@ -150,6 +187,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         applied = self.kv.apply(plan.ops)
         assert plan.n_tokens <= N_BATCH
         assert len({s.conv for s in plan.slices}) == len(plan.slices)
+        self._check_pictures(plan)
         shifted = {conv for conv, _, _ in plan.shifted}
         for conv, (seq_id, n_cached) in before.items():
             seq = self.sched.get(conv)
@@ -245,7 +283,13 @@ class HybridMachine(SchedulerMachine):
     memory = "hybrid"
 
 
+class ImageMachine(SchedulerMachine):
+    images = True
+
+
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=int(os.environ.get("AIOLLAMA_STATE_EXAMPLES", 150)), stateful_step_count=40, deadline=None)
 TestHybridScheduler = HybridMachine.TestCase
 TestHybridScheduler.settings = TestScheduler.settings
+TestImageScheduler = ImageMachine.TestCase
+TestImageScheduler.settings = TestScheduler.settings
