@@ -258,8 +258,6 @@ async def test_bad_pictures_get_typed_errors_and_the_engine_keeps_serving(tiny_p
         await engine.encode_images([Image(PICTURE)])
         conv.prompt(_prompt())
         assert (await conv.stream(max_tokens=N, temperature=0)).tokens == want
-        with pytest.raises(ImageError, match="saved"):
-            await conv.save(tmp_path / "c.aiollama")
         with pytest.raises(aiollama.InvalidTokenError):
             engine.conversation().prompt(list(conv.tokens))  # placeholders are no token ids
 
@@ -422,3 +420,37 @@ async def test_a_hybrid_model_takes_pictures_too(smollm2_path: Path, mmproj: Pat
         assert got.tokens == want and got.stats.cached_tokens > N_IMAGE_TOKENS
         conv.rewind(N)
         assert (await conv.stream(max_tokens=N, temperature=0)).tokens == want
+
+
+async def test_a_saved_conversation_carries_its_pictures(tiny_path: Path, mmproj: Path, tmp_path: Path) -> None:
+    """Saved with its pictures' rows, loaded into another engine that numbers pictures otherwise
+    (it saw another one first): the same history, the same continuation, with the cells restored or
+    evaluated again from the saved rows."""
+    path = tmp_path / "pictured.aiollama"
+    async with Engine(tiny_path, mmproj=mmproj, n_ctx=512, n_seq_max=4) as engine:
+        conv = engine.conversation()
+        conv.prompt(_prompt())
+        await conv.stream(max_tokens=N, temperature=0)
+        await conv.save(path)
+        conv.prompt(" And then?")
+        want = (await conv.stream(max_tokens=N, temperature=0)).tokens
+        text = engine.detokenize(conv.tokens)
+    for host in (2**30, 0):
+        async with Engine(tiny_path, mmproj=mmproj, n_ctx=256, n_seq_max=4, host_cache_bytes=host) as engine:
+            other = engine.conversation()
+            other.prompt(_prompt(OTHER))  # this engine's picture number 0 is another picture
+            loaded = await engine.load(path)
+            assert [image_row(t)[0] for t in loaded.tokens if t < 0] == [1] * N_IMAGE_TOKENS
+            if not host:  # others take the cells, and the loaded one evaluates all again, from the saved rows
+                others = [engine.conversation() for _ in range(3)]
+                for c in others:
+                    c.prompt(_prompt(OTHER))
+                await _all([c.stream(max_tokens=150, temperature=0) for c in others])
+            loaded.prompt(" And then?")
+            got = await loaded.stream(max_tokens=N, temperature=0)
+            assert got.tokens == want and engine.detokenize(loaded.tokens) == text
+            assert (got.stats.prompt_evaluated > N_IMAGE_TOKENS) == (not host)
+    async with Engine(tiny_path, n_ctx=512, n_seq_max=2) as plain:
+        with pytest.raises(ImageError, match="projector"):
+            await plain.load(path)
+        assert plain.statistics().live == 0

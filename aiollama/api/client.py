@@ -28,7 +28,6 @@ from aiollama.errors import (
 )
 from aiollama.formats import constraints, reasoning
 from aiollama.formats.chat import ChatTemplate, Segment, chat_tokens
-from aiollama.formats.media import has_images
 from aiollama.formats.tokens import Tokenizer
 from aiollama.sampling import SamplingParams
 from aiollama.sched.step import Executor
@@ -162,11 +161,6 @@ class EngineClient:
                               "with room to generate")
         if tokens[-1] < 0:
             raise ImageError("a prompt must not end with an image: give some text after it")
-
-    @staticmethod
-    def check_savable(tokens: Sequence[int]) -> None:
-        if has_images(tokens):
-            raise ImageError("a conversation that holds images cannot be saved")
 
     def prompt_tokens(self, content: Any, *, first: bool, special: bool) -> tuple[list[int], dict[int, Any]]:
         """Tokens for a prompt of text, token ids, or a list of parts (text, Image, token id), and

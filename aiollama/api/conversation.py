@@ -203,7 +203,6 @@ class _ConversationBase:
     def _save_request(self, sink: AsyncSink) -> None:
         self._check()
         self._check_settled("save()")
-        self._client.check_savable(self._history.snapshot()[0])
         self._client.send(Save(self.id, sink))
 
     def _saved(self, item: Item) -> bytes:
@@ -211,7 +210,7 @@ class _ConversationBase:
             raise item.error
         assert isinstance(item, Snapshot)
         return savefile.dump(savefile.Saved(item.tokens, item.n_cached, item.state, self._chat.state(),
-                                            self._client.fingerprint))
+                                            self._client.fingerprint, self._client.images.saved(item.images)))
 
     def _guidance(self, params: dict[str, Any]) -> tuple[_ConversationBase | None, float]:
         """Take ``guidance`` and ``guidance_scale`` out of a stream's parameters, checked."""

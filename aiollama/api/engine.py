@@ -169,14 +169,15 @@ class _EngineBase:
         client = self._client
         client.check()
         saved = savefile.load(data, client.fingerprint)
-        savefile.check_tokens(saved.tokens, client.tokenizer.n_vocab)
+        savefile.check_tokens(saved.tokens, client.tokenizer.n_vocab, {n: r for n, _, r in saved.images})
+        tokens, images = client.images.loaded(saved.tokens, saved.images)
         try:
             chat = ChatTurns.from_state(saved.chat)
         except (KeyError, TypeError, ValueError) as exc:
             raise ConversationFileError(f"the saved conversation's chat is malformed: {exc!r}") from None
-        conv = cls(client, client.new_id(), tokens=saved.tokens)
+        conv = cls(client, client.new_id(), tokens=tokens)
         conv._chat = chat
-        client.send(Load(conv.id, saved.tokens, saved.n_cached, saved.state, sink))
+        client.send(Load(conv.id, tuple(tokens), saved.n_cached, saved.state, sink, images))
         return conv
 
     def _embed_request(self, texts: str | Sequence[str] | Sequence[Sequence[int]], normalize: bool,

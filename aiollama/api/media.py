@@ -22,7 +22,13 @@ from typing import Any
 
 from aiollama.errors import ChatTemplateError, ImageError
 from aiollama.formats.chat import IMAGE, Messages
-from aiollama.formats.media import MAX_IMAGE_ROWS, MAX_IMAGES, placeholders
+from aiollama.formats.media import (
+    MAX_IMAGE_ROWS,
+    MAX_IMAGES,
+    image_row,
+    placeholder,
+    placeholders,
+)
 
 KEPT_ENCODINGS = 32  # pictures whose encodings are kept for the next prompt that sends them
 
@@ -82,6 +88,7 @@ class ImageEncoder:
         self.projector = projector  # aiollama.native.Projector, or None: the engine takes no images
         self.n_ctx = n_ctx
         self._numbers: dict[bytes, int] = {}
+        self._digests: dict[int, bytes] = {}
         self._kept: OrderedDict[bytes, tuple[list[int], dict[int, Any]]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -101,7 +108,7 @@ class ImageEncoder:
         tokens: list[int] = []
         rows: dict[int, Any] = {}
         with self._lock:
-            number = self._numbers.setdefault(image.digest, len(self._numbers) % MAX_IMAGES)
+            number = self._number(image.digest)
             for part in encoded.parts:
                 if isinstance(part, list):
                     tokens += part
@@ -115,6 +122,34 @@ class ImageEncoder:
             while len(self._kept) > KEPT_ENCODINGS:
                 self._kept.popitem(last=False)
         return tokens, rows
+
+    def _number(self, digest: bytes) -> int:
+        number = self._numbers.get(digest)
+        if number is None:
+            number = self._numbers[digest] = len(self._numbers) % MAX_IMAGES
+            self._digests[number] = digest
+        return number
+
+    def saved(self, images: Mapping[int, Any]) -> tuple[tuple[int, bytes, Any], ...]:
+        """The pictures of a conversation being saved: (number, sha256 of the picture, rows)."""
+        with self._lock:
+            return tuple((n, self._digests[n], rows) for n, rows in sorted(images.items()))
+
+    def loaded(self, tokens: Sequence[int], images: Sequence[tuple[int, bytes, Any]]) -> tuple[list[int], dict[int, Any]]:
+        """A saved history's tokens and pictures, renumbered as this engine numbers those pictures."""
+        if images and self.projector is None:
+            raise ImageError("the saved conversation holds pictures, and this engine takes none: give it the "
+                             "model's projector (mmproj)")
+        with self._lock:
+            numbers = {n: self._number(digest) for n, digest, _ in images}
+        rows = {numbers[n]: r for n, _, r in images}
+        out = []
+        for t in tokens:
+            if t < 0:
+                number, row = image_row(t)
+                t = placeholder(numbers[number], row)
+            out.append(t)
+        return out, rows
 
 
 def pictures(messages: Messages) -> tuple[Messages, list[Image]]:

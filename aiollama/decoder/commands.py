@@ -125,6 +125,7 @@ class Load:
     n_cached: int
     state: bytes = field(repr=False)
     sink: Sink
+    images: Mapping[int, Any] = field(default_factory=dict, repr=False)  # the rows of its pictures, by number
 
 
 @dataclass(frozen=True)

@@ -168,10 +168,13 @@ class Handlers:
             parked, n = self.core.scheduler.kv.host.best(seq.tokens, len(seq.tokens), seq.salt)
             if parked is not None and parked.data is not None and n == len(parked.tokens):
                 state, n_cached = parked.data, n
-        self.core.outbox.emit(command.sink, Snapshot(tuple(seq.tokens), n_cached if state else 0, state))
+        images = self.core.scheduler.images
+        self.core.outbox.emit(command.sink, Snapshot(tuple(seq.tokens), n_cached if state else 0, state,
+                                                     {n: images.rows[n] for n in images.held(command.conv)}))
 
     def _load(self, command: Load) -> None:
         seq = self.core.scheduler.add(command.conv, command.tokens)
+        self.core.scheduler.images.add(command.conv, command.images)
         kv = self.core.scheduler.kv
         if command.state and 0 < command.n_cached <= len(command.tokens) and kv.free_cells(command.n_cached) \
                 and kv.assign(seq):

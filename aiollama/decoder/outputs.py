@@ -4,7 +4,9 @@ answers to other commands, and the engine's statistics. Immutable values, safe o
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class FinishReason(str, enum.Enum):
@@ -109,6 +111,7 @@ class Snapshot:
     tokens: tuple[int, ...] = field(repr=False)
     n_cached: int
     state: bytes = field(repr=False)
+    images: Mapping[int, Any] = field(default_factory=dict, repr=False)  # the rows of its pictures, by number
 
 
 @dataclass(frozen=True)
