@@ -30,7 +30,8 @@ def projector(cache: Path, n_embd_text: int = 64, kind: str = "mlp") -> Path:
 
 
 def write_projector(path: Path, n_embd_text: int, kind: str = "mlp", *, n_embd: int = 32, n_ff: int = 64,
-                    n_head: int = 2, n_layer: int = 2, seed: int = 7) -> None:
+                    n_head: int = 2, n_layer: int = 2, seed: int = 7, image_size: int = IMAGE_SIZE,
+                    patch_size: int = PATCH_SIZE) -> None:
     rng = np.random.default_rng(seed)
 
     def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
@@ -40,11 +41,11 @@ def write_projector(path: Path, n_embd_text: int, kind: str = "mlp", *, n_embd: 
     writer = GGUFWriter(str(tmp), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
     gemma3 = kind == "gemma3"
-    image_size = 2 * IMAGE_SIZE if gemma3 else IMAGE_SIZE
+    image_size = 2 * image_size if gemma3 else image_size
     writer.add_string("clip.projector_type", kind)
     writer.add_bool("clip.use_gelu", True)
     writer.add_uint32("clip.vision.image_size", image_size)
-    writer.add_uint32("clip.vision.patch_size", PATCH_SIZE)
+    writer.add_uint32("clip.vision.patch_size", patch_size)
     writer.add_uint32("clip.vision.embedding_length", n_embd)
     writer.add_uint32("clip.vision.feed_forward_length", n_ff)
     writer.add_uint32("clip.vision.projection_dim", n_embd_text)
@@ -53,10 +54,10 @@ def write_projector(path: Path, n_embd_text: int, kind: str = "mlp", *, n_embd: 
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    n_patches = (image_size // PATCH_SIZE) ** 2
+    n_patches = (image_size // patch_size) ** 2
     if gemma3:
         writer.add_uint32("clip.vision.projector.scale_factor", 2)
-    writer.add_tensor("v.patch_embd.weight", weight(n_embd, 3, PATCH_SIZE, PATCH_SIZE).astype(np.float16))
+    writer.add_tensor("v.patch_embd.weight", weight(n_embd, 3, patch_size, patch_size).astype(np.float16))
     writer.add_tensor("v.patch_embd.bias", weight(n_embd))
     writer.add_tensor("v.position_embd.weight", weight(n_patches, n_embd))
     writer.add_tensor("v.pre_ln.weight", np.ones(n_embd, np.float32))
