@@ -454,3 +454,23 @@ async def test_a_saved_conversation_carries_its_pictures(tiny_path: Path, mmproj
         with pytest.raises(ImageError, match="projector"):
             await plain.load(path)
         assert plain.statistics().live == 0
+
+
+def test_an_embedding_batch_refuses_what_it_cannot_hold() -> None:
+    from aiollama.errors import InvalidBatchError
+
+    with Batch(8, n_embd=4) as rows, Batch(8) as tokens:
+        rows.add_embeddings(np.zeros((3, 4), np.float32), 0, 0)
+        assert len(rows) == 3
+        for bad in (np.zeros((2, 5), np.float32), np.zeros((2, 4), np.float64), np.zeros(4, np.float32), [[0.0] * 4]):
+            with pytest.raises(InvalidBatchError):
+                rows.add_embeddings(bad, 3, 0)
+        with pytest.raises(InvalidBatchError, match="position gap"):
+            rows.add_embeddings(np.zeros((1, 4), np.float32), 7, 0)
+        with pytest.raises(InvalidBatchError, match="full"):
+            rows.add_embeddings(np.zeros((6, 4), np.float32), 3, 0)
+        with pytest.raises(InvalidBatchError, match="holds embeddings"):
+            rows.add_tokens([1, 2], 3, 0)
+        with pytest.raises(InvalidBatchError, match="holds tokens"):
+            tokens.add_embeddings(np.zeros((1, 4), np.float32), 0, 0)
+        assert len(rows) == 3 and len(tokens) == 0

@@ -116,16 +116,8 @@ class Batch(Handle):
         if min(ids) < 0:
             raise InvalidTokenError(f"token id must be >= 0, got {min(ids)}")
         k = len(ids)
-        self._place(k, pos, [seq_id])
-        c = self._get()
-        n = self.n_tokens
+        c, n = self._rows(k, pos, seq_id)
         c.token[n:n + k] = ids
-        c.pos[n:n + k] = list(range(pos, pos + k))
-        c.n_seq_id[n:n + k] = [1] * k
-        c.logits[n:n + k] = [0] * k
-        seq_rows = c.seq_id
-        for i in range(n, n + k):
-            seq_rows[i][0] = seq_id
         last = n + k - 1
         n_out = max(int(output_last), integer("n_outputs", n_outputs, low=0, high=k))
         for row in range(last - n_out + 1, last + 1):
@@ -145,17 +137,23 @@ class Batch(Handle):
             raise InvalidBatchError(f"embedding rows must be a float32 array of shape (n, {self.n_embd}), got "
                                     f"{shape} {getattr(rows, 'dtype', type(rows).__name__)}")
         k = int(shape[0])
+        c, n = self._rows(k, pos, seq_id)
+        ffi.memmove(c.embd + n * self.n_embd, ffi.from_buffer(rows), k * self.n_embd * 4)
+        self.n_tokens = n + k
+
+    def _rows(self, k: int, pos: int, seq_id: int) -> tuple[Any, int]:
+        """Check and place ``k`` rows of one sequence from ``pos`` on, asking no logits; the batch
+        and the index of the first (the caller fills in their tokens or embeddings)."""
         self._place(k, pos, [seq_id])
         c = self._get()
         n = self.n_tokens
-        ffi.memmove(c.embd + n * self.n_embd, ffi.from_buffer(rows), k * self.n_embd * 4)
         c.pos[n:n + k] = list(range(pos, pos + k))
         c.n_seq_id[n:n + k] = [1] * k
         c.logits[n:n + k] = [0] * k
         seq_rows = c.seq_id
         for i in range(n, n + k):
             seq_rows[i][0] = seq_id
-        self.n_tokens = n + k
+        return c, n
 
     def _holds(self, kind: str) -> None:
         if (kind == "embeddings") != (self.n_embd > 0):
