@@ -474,3 +474,34 @@ def test_an_embedding_batch_refuses_what_it_cannot_hold() -> None:
         with pytest.raises(InvalidBatchError, match="holds tokens"):
             tokens.add_embeddings(np.zeros((1, 4), np.float32), 0, 0)
         assert len(rows) == 3 and len(tokens) == 0
+
+
+def test_a_projector_closed_while_another_thread_encodes_ends_that_thread_cleanly(tiny: Model, mmproj: Path) -> None:
+    import threading
+
+    from aiollama.errors import ClosedError
+
+    proj = Projector(tiny, mmproj)
+    outcome: list[BaseException | int] = []
+    busy = threading.Event()
+
+    def encode_until_closed() -> None:
+        n = 0
+        try:
+            while True:
+                proj.encode(PICTURE)
+                n += 1
+                if n == 5:
+                    busy.set()
+        except ClosedError as exc:
+            outcome.append(exc)
+        except BaseException as exc:  # pragma: no cover - reported below
+            outcome.append(exc)
+            raise
+
+    worker = threading.Thread(target=encode_until_closed)
+    worker.start()
+    assert busy.wait(30)
+    proj.close()  # frees it between two encodes, never inside one
+    worker.join(timeout=30)
+    assert not worker.is_alive() and len(outcome) == 1 and isinstance(outcome[0], ClosedError)

@@ -46,6 +46,7 @@ class Projector(Handle):
     def __init__(self, model: Model, path: str | os.PathLike[str], *, n_threads: int = 0,
                  use_gpu: bool = False) -> None:
         self.path = Path(path)
+        self._lock = threading.Lock()  # one encode at a time, and none while it is freed
         if not self.path.is_file():
             raise ModelLoadError(f"no projector file at {self.path}")
         params = lib.mtmd_context_params_default()
@@ -61,7 +62,6 @@ class Projector(Handle):
         self._own(ptr)
         self.model = model
         self.n_embd = model.n_embd
-        self._lock = threading.Lock()
         # a picture decoded without causal attention: all its rows in one ubatch
         self.non_causal = bool(lib.mtmd_decode_use_non_causal(ptr, ffi.NULL))
         self.max_rows = 1 << 13  # the most rows a picture may take (the executor lowers it to its ubatch)
@@ -72,7 +72,8 @@ class Projector(Handle):
             raise UnsupportedModel(f"the projector {self.path.name} is not supported yet: {why}")
 
     def _free(self, ptr: Any) -> None:
-        lib.mtmd_free(ptr)
+        with self._lock:  # an encode on another thread ends first
+            lib.mtmd_free(ptr)
         self.model._release()
 
     def encode(self, data: bytes) -> Encoded:
