@@ -505,3 +505,20 @@ def test_a_projector_closed_while_another_thread_encodes_ends_that_thread_cleanl
     proj.close()  # frees it between two encodes, never inside one
     worker.join(timeout=30)
     assert not worker.is_alive() and len(outcome) == 1 and isinstance(outcome[0], ClosedError)
+
+
+async def test_an_engine_refuses_a_projector_it_cannot_use(tiny_path: Path, mmproj: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no projector file"):
+        async with Engine(tiny_path, mmproj=tmp_path / "missing.gguf", n_ctx=256):
+            pass
+    with pytest.raises(ModelLoadError):
+        async with Engine(tiny_path, mmproj=tiny_path, n_ctx=256):  # a text model is no projector
+            pass
+    with pytest.raises(aiollama.UnsupportedModel, match="draft model"):
+        async with Engine(tiny_path, mmproj=mmproj, draft_model=tiny_path, n_ctx=256):
+            pass
+    with pytest.raises(aiollama.InvalidRequestError, match="mmproj"):
+        Engine(tiny_path, mmproj=42)
+    async with Engine(tiny_path, mmproj=mmproj, n_ctx=256) as engine:  # and a good one still loads
+        conv = engine.conversation(_prompt())
+        assert len((await conv.stream(max_tokens=2, temperature=0)).tokens) == 2
