@@ -96,6 +96,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.images.add(conv, {number: ["row"] * len(picture(number))})
 
     def _check_pictures(self, plan: Plan) -> None:
+        assert all(s.tokens for s in plan.slices), "an empty slice"
         for s in plan.slices:
             history = self.sched.get(s.conv).tokens
             for t in s.tokens:

@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable, Mapping
 
 from aiollama.errors import ContextFull, InvalidRequestError
-from aiollama.formats.media import has_images
 from aiollama.sched.checkpoints import CheckpointStore
 from aiollama.sched.drafting import add_drafts
 from aiollama.sched.hostcache import HostCache
@@ -293,8 +292,9 @@ class Scheduler(Queues):
                 take = min(seq.pending, budget)
                 if isinstance(self.kv, RecurrentKV):
                     take = self.kv.take(seq, take, self._running)
-                if self.whole_images and has_images(seq.tokens[pos:pos + take + 1]):
-                    take = whole_take(seq.tokens, pos, take, room - sum(len(s.tokens) for s in slices[first:]))
+                used = sum(len(s.tokens) for s in slices[first:]) if self.whole_images else 0
+                if self.whole_images and not (take := whole_take(seq.tokens, pos, take, room - used)):
+                    continue  # its picture waits for a step with room for it whole
                 slices.append(Slice(seq.conv, seq.seq_id, pos, tuple(seq.tokens[pos:pos + take]),
                                     take == seq.pending, history=seq.tokens if seq.score else (),
                                     score=seq.score))
