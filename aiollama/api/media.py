@@ -124,6 +124,9 @@ class ImageEncoder:
         return tokens, rows
 
     def _number(self, digest: bytes) -> int:
+        """The picture's number in this engine. The table grows by one entry per distinct picture;
+        numbers wrap after MAX_IMAGES, so a picture could take the number of one seen 262,144
+        pictures earlier, and match cells of it the cache still held."""
         number = self._numbers.get(digest)
         if number is None:
             number = self._numbers[digest] = len(self._numbers) % MAX_IMAGES
