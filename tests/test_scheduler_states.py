@@ -294,3 +294,64 @@ TestHybridScheduler = HybridMachine.TestCase
 TestHybridScheduler.settings = TestScheduler.settings
 TestImageScheduler = ImageMachine.TestCase
 TestImageScheduler.settings = TestScheduler.settings
+
+
+# Found by the hybrid machine: three running streams that did not fit the cache together. Admission
+# gave the cells a preemption had freed back to the preempted ones at once, so the stream that
+# stayed never progressed, step after step. Admission now leaves room for the running ones' prompts.
+LIVELOCK = [
+    ('add', False, [47, 2, 43, 30]),
+    ('add', True, [49]),
+    ('add', True, [47]),
+    ('stream', 1, 6, False, 0),
+    ('stream', 1, 1, False, 0),
+    ('stream', 1, 1, False, 0),
+    ('add', True, [16, 5, 49]),
+    ('stream', 1, 1, False, 0),
+    ('stream', 2, 5, False, 0),
+    ('add', True, [13, 39, 3, 43]),
+    ('stream', 3, 1, False, 0),
+    ('stream', 1, 1, False, 0),
+    ('stream', 1, 1, True, 0),
+    ('add', True, [1, 1, 1, 1]),
+    ('add', True, [1, 1, 1]),
+    ('add', False, [40]),
+    ('add', True, [44, 8, 1, 37, 22, 19, 25, 34, 9, 34]),
+    ('stream', 1, 1, False, 0),
+    ('add', False, [1]),
+    ('add', True, [37, 29, 43, 5, 10, 15, 35, 3, 21, 21, 11, 25, 40, 18]),
+    ('stream', 6, 120, True, 0),
+    ('stream', 8, 4, False, 0),
+    ('stream', 5, 1, True, 4),
+    ('stream', 9, 125, False, 0),
+    ('stream', 8, 91, False, 0),
+    ('stream', 2, 8, False, 0),
+    ('add', True, [47, 39, 1, 44, 20, 14, 32, 2, 5, 21]),
+    ('add', True, [28, 41, 39]),
+    ('stream', 3, 137, True, 0),
+    ('stream', 5, 4, False, 0),
+    ('stream', 8, 7, True, 4),
+    ('add', False, [42, 38, 43, 50]),
+    ('stream', 7, 95, False, 4),
+    ('add', False, [18]),
+    ('add', True, [5]),
+    ('stream', 11, 7, False, 4),
+]
+
+
+def test_admission_leaves_room_for_the_running_prompts() -> None:
+    class Draw:
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def draw(self, strategy: object) -> int:
+            return self.value
+
+    machine = HybridMachine()
+    machine.setup(host=HOST, checkpoints=HOST)
+    for action in LIVELOCK:
+        if action[0] == "add":
+            machine.add(toks=action[2], shared=action[1])
+        else:
+            machine.stream(Draw(action[1]), n=action[2], shift=action[3], draft=action[4])  # type: ignore[arg-type]
+    machine.teardown()  # every generation finishes

@@ -230,8 +230,8 @@ class Scheduler(Queues):
         while self._waiting and len(self._running) < self.max_running:
             seq = self._next_waiting()
             group = (seq, seq.guide) if seq.guide is not None else (seq,)
-            if self._running:
-                need = len(self._running)
+            if self._running:  # room for the running ones to finish their prompts, then for this one
+                need = sum(max(1, s.pending) for s in self._running)
                 for s in group:
                     _, shared = self.kv.find(s.tokens, len(s.tokens) - 1, s.salt)
                     need += len(s.tokens) - max(shared, s.n_cached)
