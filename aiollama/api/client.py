@@ -62,7 +62,7 @@ class EngineClient:
             self.close()  # the decode thread has already ended; nothing stays open
             raise
         self._tokenizer = self.decoder.tokenizer
-        self.images = ImageEncoder(self.decoder.projector, self.decoder.n_ctx)
+        self.images = ImageEncoder(self.decoder.projector)
 
     def close(self) -> None:
         """Stop the decode thread (running streams end with EngineClosed); raises EngineDead if it

@@ -84,9 +84,8 @@ class Image:
 class ImageEncoder:
     """One engine's pictures: their numbers by content, and their latest encodings. Thread-safe."""
 
-    def __init__(self, projector: Any, n_ctx: int) -> None:
+    def __init__(self, projector: Any) -> None:
         self.projector = projector  # aiollama.native.Projector, or None: the engine takes no images
-        self.n_ctx = n_ctx
         self._numbers: dict[bytes, int] = {}
         self._digests: dict[int, bytes] = {}
         self._kept: OrderedDict[bytes, tuple[list[int], dict[int, Any]]] = OrderedDict()
@@ -113,7 +112,7 @@ class ImageEncoder:
                 if isinstance(part, list):
                     tokens += part
                     continue
-                limit = min(MAX_IMAGE_ROWS, self.projector.max_rows)
+                limit = min(MAX_IMAGE_ROWS, self.projector.max_rows or MAX_IMAGE_ROWS)
                 if len(part) > limit or number in rows:
                     raise ImageError(f"the image takes {len(part)} rows, more than the {limit} one picture may take")
                 rows[number] = part

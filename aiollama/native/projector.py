@@ -64,7 +64,7 @@ class Projector(Handle):
         self.n_embd = model.n_embd
         # a picture decoded without causal attention: all its rows in one ubatch
         self.non_causal = bool(lib.mtmd_decode_use_non_causal(ptr, ffi.NULL))
-        self.max_rows = 1 << 13  # the most rows a picture may take (the executor lowers it to its ubatch)
+        self.max_rows: int | None = None  # the most rows a picture may take (the executor's ubatch, where it must fit one)
         why = ("it takes no images" if not lib.mtmd_support_vision(ptr)
                else "its images take M-RoPE positions" if lib.mtmd_decode_use_mrope(ptr) else "")
         if why:
