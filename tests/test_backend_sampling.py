@@ -4,16 +4,18 @@ streams that need their rows (log-probabilities, processors) sample from them be
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from helpers import gather
 
 from aiollama import Engine, EngineConfig, InvalidRequestError
 from aiollama.native import Batch, Context, Model, SamplerChain, sample_rows
-from aiollama.native.binding import lib
+from aiollama.native.binding import lib, set_log_level
 from aiollama.native.sampler import attach
 
 PROMPTS = [f"Story {i}: once upon a time" for i in range(8)]
@@ -94,3 +96,51 @@ def test_backend_sampling_setting() -> None:
     assert EngineConfig(backend_sampling=True).backend_sampling
     with pytest.raises(InvalidRequestError, match="backend_sampling"):
         EngineConfig(backend_sampling="yes")  # type: ignore[arg-type]
+
+
+async def _leave_then_join(path: Path, backend: bool, reserves: Any) -> tuple[list[list[int]], int]:
+    """X streams throughout; A joins, ends, and X decodes on alone; then B joins. Returns the three
+    streams' tokens and the graph reservations from A's start until X has decoded 5 tokens after
+    A ended."""
+    async with Engine(path, n_ctx=512, n_seq_max=2, backend_sampling=backend) as engine:
+        x, a, b = (engine.conversation(p) for p in PROMPTS[:3])
+        got: list[int] = []
+        first = anyio.Event()
+
+        async def run_x() -> None:
+            async for chunk in x.stream(max_tokens=160, temperature=0.0, ignore_eos=True):
+                got.extend(chunk.tokens)
+                first.set()
+
+        async def until(n: int) -> None:
+            while len(got) < n:
+                await anyio.sleep(0.002)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_x)
+            await first.wait()
+            before = reserves()
+            a_out = await a.stream(max_tokens=4, temperature=0.0, ignore_eos=True)
+            await until(len(got) + 5)
+            during = reserves() - before
+            b_out = await b.stream(max_tokens=8, temperature=0.0, ignore_eos=True)
+        return [got, a_out.tokens, b_out.tokens], during
+
+
+@pytest.mark.anyio
+async def test_a_stream_that_ends_leaves_the_graph_as_it_was(tiny_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Taking a chain out of the graph re-reserves the whole graph at the next decode, which the
+    streams still running would pay for: an ended stream's chain stays in the graph, idle, until
+    its seq id has a row again. A stream that takes that seq id is sampled by its own chain."""
+    set_log_level(logging.INFO)  # llama.cpp says "reserving" at INFO
+    try:
+        with caplog.at_level(logging.INFO, logger="aiollama.llama_cpp"):
+            def reserves() -> int:
+                return sum("reserving" in r.getMessage() for r in caplog.records)
+
+            cpu, _ = await _leave_then_join(tiny_path, False, reserves)
+            graph, during = await _leave_then_join(tiny_path, True, reserves)
+    finally:
+        set_log_level(logging.WARNING)
+    assert graph == cpu
+    assert during == 1  # A joining; nothing when it left

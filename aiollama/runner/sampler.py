@@ -134,6 +134,10 @@ class Sampling:
         self._gpu_decodes = gpu_decodes
         # backend sampling: seq id -> the conversation whose chain runs in the decode graph for it
         self._attached: dict[int, int] = {}
+        # chains of streams that ended, left in the graph until their seq id has a row again:
+        # taking a chain out re-reserves the whole graph, while an idle sequence's chain costs
+        # nothing there (llama.cpp leaves it out of the computation)
+        self._idle: dict[int, SamplerChain] = {}
 
     def __contains__(self, conv: int) -> bool:
         return conv in self._streams
@@ -164,8 +168,14 @@ class Sampling:
 
     def stop(self, conv: int) -> None:
         sampler = self._streams.pop(conv, None)
-        if sampler is not None:
-            self._detach(conv)
+        if sampler is None:
+            return
+        seqs = [i for i, c in self._attached.items() if c == conv]
+        for seq_id in seqs:
+            del self._attached[seq_id]
+        if seqs:  # in the graph: it stays there, idle, until its seq id has a row again
+            self._idle[seqs[0]] = sampler.chain
+        else:
             sampler.chain.close()
 
     def _detach(self, conv: int, *, keep: bool = False) -> None:
@@ -204,6 +214,11 @@ class Sampling:
                 sampler.in_graph = True
                 if attach(self.ctx, s.seq_id, sampler.chain):
                     self._attached[s.seq_id] = s.conv
+            idle = self._idle.pop(s.seq_id, None)
+            if idle is not None:  # an ended stream's chain, replaced above or taken out now
+                if s.seq_id not in self._attached:
+                    attach(self.ctx, s.seq_id, None)
+                idle.close()
 
     def sample(self, outputs: list[tuple[int, int]], failed: dict[int, BaseException]) -> list[list[Sampled]]:
         """Choose every row's token in one call: for each output, ``[Sampled]``, or ``[]`` when its
@@ -304,9 +319,12 @@ class Sampling:
         return Sampled(conv, token, known[0], known[1], final, logprob, top)
 
     def close(self) -> None:
-        for seq_id in list(self._attached):
+        for seq_id in [*self._attached, *self._idle]:
             attach(self.ctx, seq_id, None)
         self._attached.clear()
+        for chain in self._idle.values():
+            chain.close()
+        self._idle.clear()
         for sampler in self._streams.values():
             sampler.chain.close()
         self._streams.clear()
