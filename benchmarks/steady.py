@@ -12,7 +12,10 @@ arrivals, each side by side with llama-server in the same run.
 2. Continuous arrivals. ``aiollama serve`` and llama-server, one process each, alone: 8 HTTP
    clients each send one ``/v1/completions`` request after another (distinct prompts, 64 tokens,
    the end-of-generation tokens banned by ``logit_bias`` on both sides), for ``--windows`` windows
-   of ``--window`` seconds; tokens/s per window (a request's tokens count in the window it ends in).
+   of ``--window`` seconds; tokens/s per window (a request's tokens shared among the windows it
+   spanned). First the same requests go straight into an engine configured as the server's (in a
+   process of its own, no HTTP), with the share of its time spent inside ``llama_decode``: the
+   ceiling the server can reach with these kernels.
 
 Results go to benchmarks/results/<date>-<machine>-<cpus>cpu-steady.{json,md}.
 """
@@ -27,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +52,7 @@ from aiollama.native import Model, available_cpus  # noqa: E402
 PROMPT = 64
 ARRIVAL_TOKENS = 64
 CLIENTS = 8
+ENGINE = "aiollama engine, no HTTP"
 
 
 def _tps(timings: list[Any], wall: float) -> float:
@@ -91,6 +96,13 @@ async def serve_worker(options: dict[str, Any]) -> None:
         for line in sys.stdin:
             request = json.loads(line)
             start = time.perf_counter()
+            if "arrivals" in request:
+                a, before = request["arrivals"], e.statistics()
+                per_window = await engine_arrivals(e, a["n_vocab"], a["windows"], a["window"], a["banned"])
+                st, wall = e.statistics(), time.perf_counter() - start
+                print(json.dumps({"tps": per_window, "in_decode": (st.decode_seconds - before.decode_seconds) / wall}),
+                      flush=True)
+                continue
             timings = await aiollama_streams(e, request["batch"], request["new"])
             st = e.statistics()
             print(json.dumps({"tps": _tps(timings, time.perf_counter() - start),
@@ -137,30 +149,54 @@ async def rounds(model: Path, threads: int, n: int, new: int, n_rounds: int, n_v
     return out
 
 
-async def arrivals(url: str, n_vocab: int, windows: int, window: float, banned: list[int]) -> list[float]:
-    """CLIENTS clients sending one completion after another; tokens/s in each window."""
+async def arrivals(send: Callable[[int, list[int]], Awaitable[int]], n_vocab: int, windows: int,
+                   window: float) -> list[float]:
+    """CLIENTS clients sending one request after another (``send(k, prompt)`` runs request k and
+    gives its completion tokens); tokens/s in each window."""
     counter = itertools.count()
     start = time.perf_counter()
     end = start + windows * window
     per_window = [0.0] * windows
 
-    async def client_loop(client: httpx.AsyncClient, i: int) -> None:
+    async def client_loop() -> None:
         while time.perf_counter() < end:
             k = next(counter)
-            body = {"model": "m", "prompt": prompts(1, PROMPT, n_vocab, seed=50_000 + k)[0],
-                    "max_tokens": ARRIVAL_TOKENS, "temperature": 0.7, "seed": k,
-                    "logit_bias": {str(t): -100 for t in banned}}
+            prompt = prompts(1, PROMPT, n_vocab, seed=50_000 + k)[0]
             sent = time.perf_counter()
+            tokens = await send(k, prompt)
+            spread(per_window, sent - start, time.perf_counter() - start, window, tokens)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(CLIENTS):
+            tg.start_soon(client_loop)
+    return [t / window for t in per_window]
+
+
+async def http_arrivals(url: str, n_vocab: int, windows: int, window: float, banned: list[int]) -> list[float]:
+    """Arrivals as completion requests to a server."""
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=CLIENTS + 2)) as client:
+        async def send(k: int, prompt: list[int]) -> int:
+            body = {"model": "m", "prompt": prompt, "max_tokens": ARRIVAL_TOKENS, "temperature": 0.7, "seed": k,
+                    "logit_bias": {str(t): -100 for t in banned}}
             r = await client.post(url + "/v1/completions", json=body, timeout=None)
             r.raise_for_status()
-            spread(per_window, sent - start, time.perf_counter() - start, window,
-                   r.json()["usage"]["completion_tokens"])
+            return int(r.json()["usage"]["completion_tokens"])
 
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=CLIENTS + 2)) as client:
-        async with anyio.create_task_group() as tg:
-            for i in range(CLIENTS):
-                tg.start_soon(client_loop, client, i)
-    return [t / window for t in per_window]
+        return await arrivals(send, n_vocab, windows, window)
+
+
+async def engine_arrivals(e: aiollama.Engine, n_vocab: int, windows: int, window: float,
+                          banned: list[int]) -> list[float]:
+    """The same arrivals straight into an engine configured as ``aiollama serve`` is: what the
+    server could reach without HTTP."""
+    bias = {t: -100.0 for t in banned}
+
+    async def send(k: int, prompt: list[int]) -> int:
+        async with e.conversation(prompt) as conv:
+            completion = await conv.stream(max_tokens=ARRIVAL_TOKENS, temperature=0.7, seed=k, logit_bias=bias)
+            return len(completion.tokens)
+
+    return await arrivals(send, n_vocab, windows, window)
 
 
 def spread(per_window: list[float], sent: float, done: float, window: float, tokens: int) -> None:
@@ -214,6 +250,9 @@ def report(r: dict[str, Any]) -> str:
         if a and s:
             lines.append("| aiollama / llama-server | " + " | ".join(f"{x / y:.2f}" if y else "" for x, y in zip(a, s))
                          + " | |")
+        if "engine_in_decode" in r:
+            lines += ["", f"The engine without HTTP (the same requests as tasks of one process, configured as "
+                      f"`aiollama serve` is) spent {r['engine_in_decode']:.1%} of its time inside `llama_decode`."]
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +276,17 @@ async def main(args: argparse.Namespace) -> int:
     if args.windows and server_bin is not None:
         banned = eog_tokens(smollm2)
         n_ctx = 8192
+        print("arrivals: aiollama engine (no HTTP)", flush=True)
+        worker = Worker(smollm2, threads, CLIENTS, n_ctx, False)
+        try:
+            answer = worker.ask({"arrivals": {"n_vocab": n_vocab, "windows": args.windows, "window": args.window,
+                                              "banned": banned}})
+        finally:
+            worker.close()
+        r["arrivals"][ENGINE] = answer["tps"]
+        r["engine_in_decode"] = answer["in_decode"]
+        print("  ", [round(x) for x in answer["tps"]], f"{answer['in_decode']:.1%} of the time in llama_decode",
+              flush=True)
         for label, server in (("llama-server", LlamaServer(server_bin, smollm2, n_parallel=CLIENTS, n_ctx=n_ctx,
                                                             threads=threads, unified=False)),
                               ("aiollama serve", AiollamaServer(smollm2, n_seq_max=CLIENTS, n_ctx=n_ctx,
@@ -246,7 +296,7 @@ async def main(args: argparse.Namespace) -> int:
                                               extra=("--unified-cache",)))):
             print(f"arrivals: {label}", flush=True)
             with server:
-                r["arrivals"][label] = await arrivals(server.url, n_vocab, args.windows, args.window, banned)
+                r["arrivals"][label] = await http_arrivals(server.url, n_vocab, args.windows, args.window, banned)
             print("  ", [round(x) for x in r["arrivals"][label]], flush=True)
     save_results(r, "steady" if not args.tag else f"steady-{args.tag}", report(r))
     return 0
