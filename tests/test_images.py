@@ -14,6 +14,7 @@ import anyio
 import numpy as np
 import pytest
 from server_process import Server
+from tiny_model import spm_model
 from tiny_projector import N_IMAGE_TOKENS, png, projector
 
 import aiollama
@@ -36,14 +37,14 @@ def mmproj() -> Path:
     return projector(aiollama.cache_dir() / "test-models", 64)
 
 
-def _reference(model_path: Path, mmproj: Path, picture: bytes, n: int = N) -> list[int]:
+def _reference(model_path: Path, mmproj: Path, picture: bytes, n: int = N, before: str = BEFORE) -> list[int]:
     """llama.cpp's own evaluation: libmtmd tokenizes and evaluates the prompt with its helper, then
     a plain greedy loop on one sequence."""
     with Model(model_path) as model, Projector(model, mmproj) as proj, \
             Context(model, n_ctx=256, n_batch=64, n_seq_max=1) as ctx, Batch(1) as batch:
         chunks = lib.mtmd_input_chunks_init()
         try:
-            text = ffi.new("char[]", f"{BEFORE}<__media__>{AFTER}".encode())
+            text = ffi.new("char[]", f"{before}<__media__>{AFTER}".encode())
             spec = ffi.new("mtmd_input_text *", {"text": text, "text_len": len(text) - 1, "add_special": True,
                                                  "parse_special": False})
             wrapper = lib.mtmd_helper_bitmap_init_from_buf(proj._get(), picture, len(picture), False,
@@ -114,6 +115,23 @@ async def test_an_image_prompt_gives_llama_cpps_own_tokens(tiny_path: Path, mmpr
         got = await conv.stream(max_tokens=N, temperature=0)
         assert got.tokens == want
         assert got.stats.prompt_tokens == len(conv) - N
+
+
+async def test_a_prompt_that_starts_with_a_picture_begins_with_bos(mmproj: Path) -> None:
+    """As a first text part would, and as libmtmd does: BOS before the picture (a model whose
+    vocabulary asks for BOS)."""
+    path = spm_model(aiollama.cache_dir() / "test-models")
+    async with Engine(path, mmproj=mmproj, n_ctx=512, n_seq_max=4) as engine:
+        conv = engine.conversation()
+        conv.prompt([Image(PICTURE), AFTER])
+        bos = engine.tokenize(AFTER, add_special=True)[:1]
+        assert bos != engine.tokenize(AFTER)[:1]
+        assert list(conv.tokens[:1]) == bos and conv.tokens[1] < 0
+        got = await conv.stream(max_tokens=N, temperature=0)
+        assert got.tokens == _reference(path, mmproj, PICTURE, before="")
+        start = len(conv)
+        conv.prompt([Image(OTHER), AFTER])  # not the first prompt: no BOS
+        assert conv.tokens[start] != bos[0]
 
 
 @pytest.mark.parametrize("step_tokens", [256, 5])

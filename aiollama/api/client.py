@@ -170,6 +170,8 @@ class EngineClient:
             images: dict[int, Any] = {}
             for part in content:
                 if isinstance(part, Image):
+                    if first and not tokens and self.tokenizer.add_bos and self.tokenizer.bos >= 0:
+                        tokens.append(self.tokenizer.bos)  # as a first text part begins, and as libmtmd does
                     got, rows = self.images.tokens(part)
                     tokens += got
                     images.update(rows)
