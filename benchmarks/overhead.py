@@ -57,6 +57,7 @@ class NullExecutor:
 
     can_shift = True
     kv_unified = True
+    memory = "kv"
     placement = "CPU"
 
     def __init__(self, config: EngineConfig) -> None:

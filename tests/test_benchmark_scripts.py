@@ -1,0 +1,36 @@
+"""The CPU benchmarks' own code paths, run briefly, so that a script nobody ran since a change to
+the engine fails here rather than on the day its figures are wanted."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+import aiollama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import overhead  # noqa: E402
+import steady  # noqa: E402
+
+
+def test_the_overhead_benchmarks_null_executor_drives_an_engine() -> None:
+    r = anyio.run(overhead.engine_alone, 1)
+    assert set(r["levels"]) == {str(n) for n in overhead.LEVELS}
+    assert all(level["steps"] >= overhead.TOKENS for level in r["levels"].values())
+
+
+@pytest.mark.anyio
+async def test_arrivals_straight_into_an_engine_count_every_token(tiny_path: Path) -> None:
+    async with aiollama.Engine(tiny_path, n_ctx=2048, n_seq_max=steady.CLIENTS, kv_unified=False) as engine:
+        per_window = await steady.engine_arrivals(engine, engine.n_vocab, 2, 0.5, banned=[])
+    assert len(per_window) == 2 and all(t > 0 for t in per_window)
+
+
+def test_a_request_spanning_windows_is_shared_among_them() -> None:
+    per_window = [0.0, 0.0, 0.0]
+    steady.spread(per_window, 0.5, 2.5, 1.0, 40)  # 0.5 s in the first window, 1 s in the second, 0.5 in the third
+    assert per_window == pytest.approx([10.0, 20.0, 10.0])
