@@ -22,7 +22,10 @@ def fit(slices: list[Slice], kv: KVManager, preempt: Preempt, whole_images: bool
     def need() -> int:
         return sum(s.cells for s in slices)
 
-    kv.free_cells(need() - sum(s.draft + s.model_draft for s in slices))  # drafts never evict anything
+    total = need()
+    kv.free_cells(total - sum(s.draft + s.model_draft for s in slices))  # drafts never evict anything
+    if total <= kv.cells.free:  # most steps
+        return slices
     starved = False
     if need() > kv.cells.free:  # drafts go first
         slices = [Slice(s.conv, s.seq_id, s.pos, s.tokens[:1], True) if s.draft or s.model_draft else s
