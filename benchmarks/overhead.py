@@ -219,7 +219,7 @@ async def main(args: argparse.Namespace) -> int:
     models = [aiollama.default_model(), fast_model.path()]
     r["models"] = [await with_model(m, threads, args.rounds) for m in models]
     r["after_decode"] = [after_decode(m, threads) for m in models]
-    save_results(r, "overhead", markdown(r))
+    save_results(r, "overhead" if not args.tag else f"overhead-{args.tag}", markdown(r))
     return 0
 
 
@@ -227,4 +227,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, help="llama.cpp threads (default: usable CPUs)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tag", default="", help="a suffix for the results' file names")
     sys.exit(anyio.run(main, parser.parse_args()))
