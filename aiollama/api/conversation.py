@@ -95,7 +95,8 @@ class _ConversationBase:
         an image last). Never blocks, but encodes a picture (``await engine.encode_images()`` first).
 
         The first prompt of a conversation gets BOS as the model's metadata asks where it begins with
-        text or a picture; token ids are taken as they are. ``special`` parses special-token text (``<|im_start|>``) into those tokens.
+        text or a picture; token ids are taken as they are. ``special`` parses special-token text
+        (``<|im_start|>``) into those tokens.
 
         Raises:
             InvalidTokenError, ImageError: a bad token id or image, or an engine without a projector.

@@ -170,13 +170,13 @@ class Sampling:
         sampler = self._streams.pop(conv, None)
         if sampler is None:
             return
-        seqs = [i for i, c in self._attached.items() if c == conv]
-        for seq_id in seqs:
-            del self._attached[seq_id]
-        if seqs:  # in the graph: it stays there, idle, until its seq id has a row again
-            self._idle[seqs[0]] = sampler.chain
-        else:
+        # a chain is in the graph for one seq id at most: attach() takes it out of another first
+        seq_id = next((i for i, c in self._attached.items() if c == conv), None)
+        if seq_id is None:
             sampler.chain.close()
+        else:  # it stays in the graph, idle, until its seq id has a row again
+            del self._attached[seq_id]
+            self._idle[seq_id] = sampler.chain
 
     def _detach(self, conv: int, *, keep: bool = False) -> None:
         """Take ``conv``'s chain out of the graph. With ``keep`` (the stream goes on), a chain that

@@ -27,9 +27,8 @@ def fit(slices: list[Slice], kv: KVManager, preempt: Preempt, whole_images: bool
     if total <= kv.cells.free:  # most steps
         return slices
     starved = False
-    if need() > kv.cells.free:  # drafts go first
-        slices = [Slice(s.conv, s.seq_id, s.pos, s.tokens[:1], True) if s.draft or s.model_draft else s
-                  for s in slices]
+    slices = [Slice(s.conv, s.seq_id, s.pos, s.tokens[:1], True) if s.draft or s.model_draft else s
+              for s in slices]  # drafts go first
     while need() > kv.cells.free:
         prompt_slices = [i for i, s in enumerate(slices) if len(s.tokens) > 1 or not s.logits]
         if not prompt_slices:
