@@ -399,6 +399,20 @@ struct llama_perf_context_data llama_perf_context(const struct llama_context * c
 void llama_perf_context_reset(struct llama_context * ctx);
 struct llama_perf_sampler_data llama_perf_sampler(const struct llama_sampler * chain);
 
+/* llama.cpp's chat layer, through the shim in cmake/aiollama_chat.h (JSON in, JSON out) */
+struct aiollama_chat;
+struct aiollama_chat_parser;
+struct aiollama_chat * aiollama_chat_init(const struct llama_model * model, const char * source,
+                                          const char * bos_token, const char * eos_token, char ** error);
+void aiollama_chat_free(struct aiollama_chat * chat);
+char * aiollama_chat_describe(const struct aiollama_chat * chat, char ** error);
+char * aiollama_chat_apply(const struct aiollama_chat * chat, const char * inputs, char ** error);
+struct aiollama_chat_parser * aiollama_chat_parser_init(const char * params, char ** error);
+void aiollama_chat_parser_free(struct aiollama_chat_parser * parser);
+char * aiollama_chat_parse(const struct aiollama_chat_parser * parser, const char * text, size_t n_text,
+                           bool partial, char ** error);
+void aiollama_chat_string_free(char * text);
+
 /* helpers compiled into this module (see HELPERS) */
 bool aiollama_abort_cb(void * data);
 void aiollama_flag_store(int * flag, int value);
@@ -431,6 +445,7 @@ HELPERS = r"""
 #include "llama.h"
 #include "mtmd.h"
 #include "mtmd-helper.h"
+#include "aiollama_chat.h"
 
 /* ggml-cpu's reference kernels for every CPU backend of a context (or back to the fast ones).
  * They compute each output row the same way whatever the batch holds: no llamafile sgemm or tiled

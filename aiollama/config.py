@@ -15,6 +15,9 @@ from aiollama.sampling import MAX_DRAFT_TOKENS
 # a draft model's drafts, unless draft_tokens says otherwise
 DRAFT_MODEL_TOKENS = 8
 
+# a chat template's thinking switch by default, as llama-server's --reasoning
+REASONING_MODES = ("auto", "on", "off")
+
 # the KV cache element types llama.cpp can use (llama-server's --cache-type-k/-v)
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
@@ -68,6 +71,10 @@ class EngineConfig:
     among them (``engine.conversation(lora={"name": scale})``).
     ``mmproj`` is an image projector for the model (libmtmd's ``mmproj`` GGUF): prompts may then
     hold pictures (:class:`aiollama.Image`).
+    ``chat_template`` replaces the chat template the GGUF carries (or lacks): its Jinja text, or a
+    path to a file holding it (llama-server's ``--chat-template`` and ``--chat-template-file``).
+    ``reasoning`` is the default of a template's thinking switch, as llama-server's
+    ``--reasoning``: "auto" thinks where the template can, "on" and "off" set the switch.
     """
 
     model_path: Path | None = None
@@ -93,6 +100,8 @@ class EngineConfig:
     flash_attn: bool | None = None
     lora: Mapping[str, Path] = field(default_factory=dict)
     mmproj: Path | None = None
+    chat_template: str | None = None
+    reasoning: str = "auto"
 
     def __post_init__(self) -> None:
         integer("n_ctx", self.n_ctx, low=1)
@@ -147,6 +156,9 @@ class EngineConfig:
                 isinstance(k, str) and k and isinstance(v, (str, os.PathLike)) for k, v in self.lora.items()):
             raise InvalidRequestError(f"lora must map names to adapter files, got {self.lora!r}")
         object.__setattr__(self, "lora", {k: Path(v) for k, v in self.lora.items()})
+        object.__setattr__(self, "chat_template", _template_text(self.chat_template))
+        if self.reasoning not in REASONING_MODES:
+            raise InvalidRequestError(f"reasoning must be one of {', '.join(REASONING_MODES)}, got {self.reasoning!r}")
 
     def context_seq_ids(self, n_vocab: int) -> int:
         """The seq ids of the context: ``n_seq_max`` generating, the rest holding cached prefixes."""
@@ -166,3 +178,16 @@ class EngineConfig:
             raise InvalidRequestError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(model_path, **options)
 
+
+def _template_text(template: Any) -> str | None:
+    """A chat template given as text, or read from the file a path names."""
+    if template is None:
+        return None
+    if isinstance(template, os.PathLike):
+        try:
+            return Path(template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(f"cannot read the chat template file {template}: {exc}") from None
+    if not isinstance(template, str) or not template.strip():
+        raise InvalidRequestError("chat_template must be a template's text or a path to its file")
+    return template

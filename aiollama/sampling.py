@@ -69,6 +69,12 @@ class SamplingParams:
     tokens after the first, given those before it, computed in the same decode steps as everything
     else. The prompt is then evaluated whole (no cached prefix has logits).
 
+    ``grammar_prefill`` is text the ``grammar`` takes as already generated before the first token
+    (special tokens parsed): the generation prompt a chat template wrote, where llama.cpp's
+    grammar of a tool call begins with it. ``preserved_tokens`` are token texts the stream's text
+    shows even where they are control tokens (a model format's markers, which its parser reads);
+    a chat turn sets both.
+
     Every field is checked on creation and a bad one raises ``InvalidRequestError`` (a
     ``ValueError``) naming it.
     """
@@ -101,6 +107,8 @@ class SamplingParams:
     reasoning_budget: int | None = None
     reasoning_budget_message: str = ""
     prompt_logprobs: int | None = None
+    grammar_prefill: str = ""
+    preserved_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -160,6 +168,15 @@ class SamplingParams:
             integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_TOP_LOGPROBS)
         if not isinstance(self.reasoning_budget_message, str):
             raise InvalidRequestError(f"reasoning_budget_message must be a str, got {self.reasoning_budget_message!r}")
+        if not isinstance(self.grammar_prefill, str):
+            raise InvalidRequestError(f"grammar_prefill must be a str, got {self.grammar_prefill!r}")
+        if self.grammar_prefill and self.grammar is None:
+            raise InvalidRequestError("grammar_prefill needs a grammar")
+        preserved: Any = self.preserved_tokens
+        if not isinstance(preserved, Sequence) or isinstance(preserved, str) or \
+                not all(isinstance(t, str) and t for t in preserved):
+            raise InvalidRequestError(f"preserved_tokens must be a list of token texts, got {self.preserved_tokens!r}")
+        object.__setattr__(self, "preserved_tokens", tuple(preserved))
 
     def _check_constraint(self) -> None:
         given = [name for name in ("grammar", "json_schema", "regex", "lark") if getattr(self, name) is not None]

@@ -65,3 +65,16 @@ def first_greedy_tokens(model: Model, prompts: list[list[int]], *, together: boo
             assert ctx.decode(b) is DecodeStatus.OK
             out.append(greedy.sample(ctx, row))
         return out
+
+
+def scripted(engine: Engine, text: str, start: int) -> Callable[[tuple[int, ...], Any], None]:
+    """A logits processor that makes a random model write ``text`` (special tokens parsed) from
+    history length ``start`` on, then end its turn: each step lifts the next token far above the
+    others. A constraint still has the last word: it runs after the processors."""
+    tokens = engine.tokenize(text, special=True) + engine.tokenize("<|im_end|>", special=True)
+
+    def lift(history: tuple[int, ...], logits: Any) -> None:
+        at = len(history) - start
+        if 0 <= at < len(tokens):
+            logits[tokens[at]] += 100.0
+    return lift

@@ -36,9 +36,10 @@ def _compile(cdef: str, tmp_path: Path) -> None:
     libdir = str(Path(aiollama.__file__).parent)  # the installed package holds libllama.so
     builder = _build_ffi().make_builder(
         cdef,
-        include_dirs=[str(src / "include"), str(src / "ggml" / "include"), str(src / "tools" / "mtmd")],
+        include_dirs=[str(src / "include"), str(src / "ggml" / "include"), str(src / "tools" / "mtmd"),
+                      str(ROOT / "cmake")],
         library_dirs=[libdir],
-        libraries=[":libllama.so", ":libmtmd.so"],
+        libraries=[":libllama.so", ":libmtmd.so", ":libaiollama_chat.so"],
         extra_link_args=[f"-Wl,-rpath,{libdir}"],
     )
     so = builder.compile(tmpdir=str(tmp_path), verbose=False)

@@ -12,7 +12,9 @@ from tiny_model import spm_model
 
 import aiollama
 from aiollama import ChatTemplateError, Engine, SyncEngine
-from aiollama.formats.chat import ChatTemplate, normalize, protect, segments
+from aiollama.formats.chat import ChatTemplate, segments
+from aiollama.formats.messages import normalize
+from aiollama.native.chat import ChatTemplates
 from aiollama.native import Model
 
 pytestmark = pytest.mark.anyio
@@ -138,30 +140,21 @@ def test_malformed_messages(messages: Any, match: str) -> None:
         normalize(messages)
 
 
-def builtin(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-    return "".join(f"[{m['role']}]{m['content']}" for m in messages) + ("[assistant]" if add_generation_prompt else "")
-
-
-def test_template_refusal_is_a_typed_error_and_broken_templates_fall_back() -> None:
-    strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
-                          "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}",
-                          bos_token="<s>", eos_token="</s>", builtin=builtin)
-    assert strict.kind == "jinja"
-    assert strict.render([{"role": "user", "content": "hi"}], True) == "<user>hi"
-    with pytest.raises(ChatTemplateError, match="user first"):
-        strict.render([{"role": "system", "content": "x"}], True)
-    broken = ChatTemplate("{% for m in messages %}", bos_token="", eos_token="", builtin=builtin)
-    assert broken.kind == "builtin"
-    assert broken.render([{"role": "user", "content": "hi"}], True) == "[user]hi[assistant]"
-    failing = ChatTemplate("{{ messages[5]['content'].upper() }}", bos_token="", eos_token="", builtin=builtin)
-    assert failing.render([{"role": "user", "content": "hi"}], False) == "[user]hi"
-    sandboxed = ChatTemplate("{{ ''.__class__.__mro__ }}", bos_token="", eos_token="", builtin=builtin)
-    assert sandboxed.render([{"role": "user", "content": "hi"}], False) == "[user]hi"  # the sandbox refused
+def test_template_refusal_and_broken_templates_are_typed_errors_never_a_fallback() -> None:
+    strict = ChatTemplate(ChatTemplates(
+        "{% if messages|length > 1 %}{{ raise_exception('one message at most') }}{% endif %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}", bos_token="<s>", eos_token="</s>"))
+    assert strict.render(normalize("hi"), add_generation_prompt=False).prompt == "<user>hi"
+    with pytest.raises(ChatTemplateError, match="one message at most"):
+        strict.render(normalize([{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]))
+    for broken in ("{% for m in messages %}", "{{ no_such_function() }}", "{{ messages[0].content | no_such_filter }}"):
+        with pytest.raises(ChatTemplateError, match="chat template"):
+            ChatTemplates(broken)  # no prompt without the template: a typed error, never a fallback
 
 
 def test_segments_split_template_text_from_content() -> None:
-    protected, contents = protect([{"role": "user", "content": "<|im_end|>"}, {"role": "user", "content": ""}])
-    rendered = f"<|im_start|>user\n{protected[0]['content']}<|im_end|>{protected[1]['content']}"
+    contents = ["<|im_end|>", ""]
+    rendered = "<|im_start|>user\n\ue0000\ue001<|im_end|>"
     parts = segments(rendered, contents)
     assert [(p.text, p.template) for p in parts] == [("<|im_start|>user\n", True), ("<|im_end|>", False),
                                                      ("<|im_end|>", True)]

@@ -10,11 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chat_cases import llama_cpp_dir
+from helpers import scripted
 from tiny_model import reasoning_model
 
 import aiollama
 from aiollama import Chunk, Engine, FinishReason
 from aiollama.formats import reasoning
+from aiollama.formats.chat import ChatTemplate
+from aiollama.formats.messages import normalize
+from aiollama.formats.reply import ReplyReader
+from aiollama.native.chat import ChatTemplates
 from aiollama.server.shape import ChatChoice
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -73,16 +79,24 @@ def joined(deltas: list[dict[str, Any]], key: str) -> str:
     return "".join(d["delta"].get(key) or "" for d in deltas)
 
 
+def choice_for(template: str, tools: list[dict[str, Any]] | None = None) -> ChatChoice:
+    """A chat choice read as a vendor template's replies are (llama.cpp's parser of its format)."""
+    chat = ChatTemplate(ChatTemplates((llama_cpp_dir() / "models" / "templates" / template).read_text()))
+    return ChatChoice(0, ReplyReader(chat.parser(chat.render(normalize("Hi"), tools=tools))), lambda t: b"")
+
+
 @pytest.mark.parametrize("inside", [False, True])
 def test_streamed_reasoning_never_leaks_into_content(inside: bool) -> None:
+    # Qwen3.5's generation prompt opens the thinking block; Qwen3's leaves the model to open it
+    template = "Qwen3.5-4B.jinja" if inside else "Qwen-Qwen3-0.6B.jinja"
     text = ("" if inside else "<think>") + "Paris is in France.</think>\n\nParis"
     pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # markers split across chunks
-    deltas = stream_choice(ChatChoice(0, [], lambda t: b"", in_thinking=inside), pieces)
+    deltas = stream_choice(choice_for(template), pieces)
     assert joined(deltas, "reasoning_content") == "Paris is in France."
     assert joined(deltas, "content") == "Paris"
     assert not any("<" in joined([d], "content") or "<" in joined([d], "reasoning_content") for d in deltas)
     assert deltas[-1]["finish_reason"] == "stop"
-    whole = ChatChoice(0, [], lambda t: b"", in_thinking=inside)
+    whole = choice_for(template)
     for piece in pieces:
         whole.feed(Chunk(piece, [0]))
     message = whole.message(FinishReason.EOG)["message"]
@@ -91,44 +105,40 @@ def test_streamed_reasoning_never_leaks_into_content(inside: bool) -> None:
 
 def test_streamed_tool_call_after_thinking() -> None:
     text = '<think>I need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    deltas = stream_choice(ChatChoice(0, ["get_weather"], lambda t: b""), [text[i:i + 5] for i in range(0, len(text), 5)])
+    deltas = stream_choice(choice_for("Qwen-Qwen3-0.6B.jinja", [WEATHER]), [text[i:i + 5] for i in range(0, len(text), 5)])
     assert joined(deltas, "reasoning_content") == "I need the weather."
     assert joined(deltas, "content") == ""
     calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
-    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [(0, "get_weather", {"city": "Oslo"})]
+    assert calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Oslo"}
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
 # gpt-oss's Harmony channels: what the model generates after the template's "<|start|>assistant"
-# (llama.cpp shows <|start|>, <|channel|>, <|message|> and <|constrain|>; <|end|> shows nothing)
+# (the stream shows <|start|>, <|channel|>, <|message|> and <|constrain|>, its preserved tokens)
 
-HARMONY_ANSWER = "<|channel|>analysis<|message|>Simple geography.<|start|>assistant<|channel|>final<|message|>Paris."
-HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather tool.<|start|>assistant<|channel|>commentary "
+HARMONY_ANSWER = "<|channel|>analysis<|message|>Simple geography.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant<|channel|>commentary "
                 'to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}')
 
 
 def test_harmony_channels_split_into_reasoning_and_content() -> None:
-    assert reasoning.split(HARMONY_ANSWER) == ("Simple geography.", "Paris.")
+    assert reasoning.split(HARMONY_ANSWER.replace("<|end|>", "")) == ("Simple geography.", "Paris.")
     assert reasoning.pending("<|channel|>analysis<|message|>Still think") is True
     assert reasoning.pending("<|chan") is True
-    assert reasoning.pending(HARMONY_ANSWER) is False
-    whole = ChatChoice(0, ["get_weather"], lambda t: b"")
+    whole = choice_for("openai-gpt-oss-120b.jinja", [WEATHER])
     whole.feed(Chunk(HARMONY_CALL, [0]))
     message = whole.message(FinishReason.EOG)
     assert message["finish_reason"] == "tool_calls" and message["message"]["reasoning_content"] == "Need the weather tool."
     [call] = message["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
-    # the template's own form of a call in the history: the recipient before the channel
-    history = '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Bergen"}'
-    assert json.loads(ChatChoice(0, ["get_weather"], lambda t: b"").calls(reasoning.split(history)[1])[0].arguments) \
-        == {"city": "Bergen"}
 
 
 @pytest.mark.parametrize("text", [HARMONY_ANSWER, HARMONY_CALL])
 @pytest.mark.parametrize("size", [1, 4, 9])
 def test_streamed_harmony_never_leaks_markup(text: str, size: int) -> None:
-    deltas = stream_choice(ChatChoice(0, ["get_weather"], lambda t: b""), [text[i:i + size] for i in range(0, len(text), size)])
+    deltas = stream_choice(choice_for("openai-gpt-oss-120b.jinja", [WEATHER]),
+                           [text[i:i + size] for i in range(0, len(text), size)])
     thought, content = joined(deltas, "reasoning_content"), joined(deltas, "content")
     assert "<|" not in thought and "<|" not in content and "|>" not in thought + content
     assert thought in ("Simple geography.", "Need the weather tool.")
@@ -209,13 +219,21 @@ async def test_tools_reach_the_template(plain_model: Path) -> None:
         rendered = engine.render_chat(history, tools=[WEATHER])
         assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in rendered
         assert "<tool_response>\n4 degrees, rain\n</tool_response>" in rendered
-        # A chat turn appends exactly that render, and a required call is constrained to the tools.
+        # A chat turn appends exactly that render; a reply in the template's format is read as a
+        # call, and a required call is held to llama.cpp's grammar of that format
         conv = engine.conversation()
-        stream = conv.chat(history, tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0)
+        conv.append_chat(history, tools=[WEATHER], tool_choice="required")
         assert list(conv.tokens) == engine.tokenize(rendered, add_special=True, special=True)
-        result = await stream
-        assert [call.name for call in result.tool_calls] == ["get_weather"]
-        assert set(json.loads(result.tool_calls[0].arguments)) == {"city"}
+        call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bergen"}}\n</tool_call>'
+        result = await conv.stream(max_tokens=60, temperature=0, logits_processors=[scripted(engine, call, len(conv))])
+        assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [("get_weather", {"city": "Bergen"})]
+        assert result.content == "" and result.finish_reason == "eog"
+        # where the script leaves the format, the grammar keeps the reply in it
+        bad = '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>'
+        conv = engine.conversation()
+        conv.append_chat(history, tools=[WEATHER], tool_choice="required")
+        result = await conv.stream(max_tokens=60, temperature=0, logits_processors=[scripted(engine, bad, len(conv))])
+        assert "launch_rockets" not in result.text
 
 
 def test_a_malformed_tool_is_refused_by_render_chat(tiny_path: Path) -> None:
@@ -242,7 +260,7 @@ async def test_a_reasoning_budget_closes_the_block_after_its_tokens(opening_mode
         assert len(result.tokens) == 24 and result.content  # then the answer
         told = await engine.conversation().chat("Hi", max_tokens=40, temperature=0, logit_bias={end: -100},
                                                  reasoning_budget=2, reasoning_budget_message="Time is up.")
-        assert told.reasoning.endswith("Time is up.") and told.content
+        assert told.reasoning.rstrip().endswith("Time is up.") and told.content
         at_once = await engine.conversation().chat("Hi", max_tokens=8, temperature=0, reasoning_budget=0)
         assert at_once.tokens[:len(closing)] == closing and at_once.reasoning == ""
 

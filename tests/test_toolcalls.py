@@ -1,5 +1,5 @@
-"""Tool calls read from generated text in each format models write, and the schema that
-``tool_choice`` constrains a reply to."""
+"""Tool calls: read in each model's own format by llama.cpp's parsers as they stream, read as JSON
+from a model told of its tools, and the schema that ``tool_choice`` constrains such a reply to."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ from aiollama import InvalidRequestError
 from aiollama.formats.toolcalls import (
     call_schema,
     describe,
+    json_calls,
     might_be_call,
-    parse,
     tool_names,
-    tool_schemas,
 )
 
 NAMES = {"get_weather", "get_time"}
@@ -24,69 +23,35 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time"}}]
 
 
-def calls_of(text: str) -> tuple[str, list[tuple[str, object]]]:
-    content, calls = parse(text, NAMES)
-    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+def calls_of(text: str) -> list[tuple[str, object]] | None:
+    calls = json_calls(text, NAMES)
+    return None if calls is None else [(c.name, json.loads(c.arguments)) for c in calls]
 
 
-@pytest.mark.parametrize(("text", "content", "calls"), [
-    # Hermes and Qwen: one block a call, text before them is content
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
-     "", [("get_weather", {"city": "Oslo"})]),
-    ('Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
-     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
-     "Let me look.", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
-    ('<tool_call>{"name": "get_time", "arguments": {}}', "", [("get_time", {})]),  # cut at the end tag
-    # Mistral
-    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]',
-     "", [("get_weather", {"city": "Rome"}), ("get_time", {})]),
-    # Llama 3, with "parameters"
-    ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}', "", [("get_time", {"zone": "UTC"})]),
-    ('{"name": "get_time", "parameters": {"zone": "UTC"}}', "", [("get_time", {"zone": "UTC"})]),
-    # plain JSON, arguments as a JSON string, in a code fence, as a list
-    ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Lima\\"}"}', "", [("get_weather", {"city": "Lima"})]),
-    ('```json\n{"name": "get_time", "arguments": {}}\n```', "", [("get_time", {})]),
-    ('[{"name": "get_time", "arguments": {}}]', "", [("get_time", {})]),
-    # Qwen3-Coder, Qwen3.5/3.6: XML, values read as JSON where they parse
-    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n"
-     "</parameter>\n</function>\n</tool_call>", "", [("get_weather", {"city": "Oslo", "days": 3})]),
-    ("Checking.\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
-     "<parameter=city>\nNew\nYork\n</parameter>\n</function>\n</tool_call>",
-     "Checking.", [("get_time", {}), ("get_weather", {"city": "New\nYork"})]),
-    ("<function=get_weather>\n<parameter=city>\nLima\n</parameter>\n</function>", "", [("get_weather", {"city": "Lima"})]),
-    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nLima", "", [("get_weather", {"city": "Lima"})]),  # cut off
-    # GLM-4.5 and later
-    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n"
-     "<arg_value>2</arg_value>\n</tool_call>", "", [("get_weather", {"city": "Oslo", "days": 2})]),
-    ("<tool_call>get_time</tool_call>", "", [("get_time", {})]),
-    # Kimi-K2, as its template writes calls (ids functions.NAME:INDEX), text before them
-    ('I will check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-     '{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}'
-     '<|tool_call_end|><|tool_calls_section_end|>',
-     "I will check.", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
-    ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{"zone": "UTC"}',
-     "", [("get_time", {"zone": "UTC"})]),  # cut off
+@pytest.mark.parametrize(("text", "calls"), [
+    ('{"name": "get_time", "parameters": {"zone": "UTC"}}', [("get_time", {"zone": "UTC"})]),
+    ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Lima\\"}"}', [("get_weather", {"city": "Lima"})]),
+    ('```json\n{"name": "get_time", "arguments": {}}\n```', [("get_time", {})]),
+    ('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
+     [("get_time", {}), ("get_weather", {"city": "Rome"})]),
 ])
-def test_calls_in_every_format(text: str, content: str, calls: list[tuple[str, object]]) -> None:
-    assert calls_of(text) == (content, calls)
+def test_json_calls_of_a_model_told_of_its_tools(text: str, calls: list[tuple[str, object]]) -> None:
+    assert calls_of(text) == calls
 
 
 @pytest.mark.parametrize("text", [
     "It is sunny in Oslo.",
     '{"name": "launch_rockets", "arguments": {}}',  # not a tool offered
     '{"city": "Oslo"}',  # JSON, but not a call
-    '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # broken JSON
     '{"name": "get_weather", "arguments": "not json"}',
     '[{"name": "get_time", "arguments": {}}, {"name": "unknown", "arguments": {}}]',  # not all calls
-    "<tool_call>\n<function=launch_rockets>\n</function>\n</tool_call>",  # XML, not a tool offered
-    "<tool_call>\n<function=get_time>\n</function>\n</tool_call><tool_call>{broken</tool_call>",
 ])
 def test_text_that_is_not_a_call_stays_content(text: str) -> None:
-    assert parse(text, NAMES) == (text, [])
+    assert json_calls(text, NAMES) is None
 
 
 def test_calls_have_openai_ids_and_indexes() -> None:
-    _, calls = parse('[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]', NAMES)
+    calls = json_calls('[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]', NAMES) or []
     shaped = [c.openai(i) for i, c in enumerate(calls)]
     assert [s["index"] for s in shaped] == [0, 1]
     assert all(s["id"].startswith("call_") and s["type"] == "function" for s in shaped)
@@ -94,7 +59,7 @@ def test_calls_have_openai_ids_and_indexes() -> None:
 
 
 def test_might_be_call_holds_back_only_what_could_start_one() -> None:
-    for text in ("", "  ", "<tool", "<tool_call>{", "[TOOL", "{", "```"):
+    for text in ("", "  ", "{", "[", "```", '{"name"'):
         assert might_be_call(text)
     for text in ("Hello", "The answer", "<b>bold</b>"):
         assert not might_be_call(text)
@@ -126,38 +91,41 @@ def test_describe_lists_every_function() -> None:
     assert all(json.dumps(t["function"]) in text for t in TOOLS)
 
 
-def test_xml_arguments_follow_the_tool_schema() -> None:
-    # a string parameter stays text even where it reads as JSON; others are read as JSON
-    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
-        "zip": {"type": "string"}, "count": {"type": "integer"}, "exact": {"type": "boolean"}}}}}]
-    text = ("<tool_call>\n<function=lookup>\n<parameter=zip>\n01234\n</parameter>\n<parameter=count>\n5\n"
-            "</parameter>\n<parameter=exact>\ntrue\n</parameter>\n</function>\n</tool_call>")
-    [call] = parse(text, tool_schemas(tools))[1]
-    assert json.loads(call.arguments) == {"zip": "01234", "count": 5, "exact": True}
-    assert might_be_call("<function=lo") and might_be_call("<functi")
-
-
-@pytest.mark.parametrize("text", [
-    'Let me look that up for you.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
-    'Let me look that up for you.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
-    '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>',
+@pytest.mark.parametrize(("template", "text"), [
+    ("Qwen-Qwen3-0.6B.jinja",
+     'Let me look that up for you.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
+    ("Kimi-K2-Instruct.jinja",
+     "Let me look that up for you.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>'),
+    ("Qwen3.5-4B.jinja",
+     "Let me look that up for you.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+     "</parameter>\n</function>\n</tool_call>"),
 ])
 @pytest.mark.parametrize("size", [1, 3, 7])
-def test_text_before_a_call_streams_and_the_call_never_leaks(text: str, size: int) -> None:
+def test_a_call_streams_in_its_format_and_its_markers_never_leak(template: str, text: str, size: int) -> None:
+    from chat_cases import llama_cpp_dir
+
     from aiollama import Chunk, FinishReason
+    from aiollama.formats.chat import ChatTemplate
+    from aiollama.formats.messages import normalize
+    from aiollama.formats.reply import ReplyReader
+    from aiollama.native.chat import ChatTemplates
     from aiollama.server.shape import ChatChoice
 
-    choice = ChatChoice(0, {"get_weather": {}}, lambda t: b"")
+    chat = ChatTemplate(ChatTemplates((llama_cpp_dir() / "models" / "templates" / template).read_text()))
+    rendered = chat.render(normalize("Weather in Oslo?"), tools=TOOLS)
+    choice = ChatChoice(0, ReplyReader(chat.parser(rendered)), lambda t: b"")
     deltas = []
     for i in range(0, len(text), size):
         deltas += choice.feed(Chunk(text[i:i + size], [0]))
-    streamed = "".join(d["delta"].get("content") or "" for d in deltas)
-    assert streamed.startswith("Let me look that up for you")  # shown before the reply ends
+    shown = "".join(d["delta"].get("content") or d["delta"].get("reasoning_content") or "" for d in deltas)
+    assert shown.startswith("Let me look that up for you")  # shown before the reply ends
     deltas += choice.finish(FinishReason.EOG)
-    content = "".join(d["delta"].get("content") or "" for d in deltas)
-    assert content.strip() == "Let me look that up for you." and "<" not in content
-    [call] = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
-    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    shown = "".join(d["delta"].get("content") or d["delta"].get("reasoning_content") or "" for d in deltas)
+    assert shown.strip() == "Let me look that up for you." and "<" not in shown
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"]
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Oslo"}
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
 

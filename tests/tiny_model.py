@@ -411,7 +411,11 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}
 {%- for m in messages %}
 {%- if m.role == 'assistant' %}<|im_start|>assistant
-{% if m.content %}{{ m.content }}{% endif %}
+{% if m.reasoning_content %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{% if m.content %}{{ m.content }}{% endif %}
 {%- for c in m.tool_calls or [] %}<tool_call>
 {"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments if c.function.arguments is string \
 else c.function.arguments | tojson }}}
@@ -439,7 +443,7 @@ def reasoning_model(cache: Path, tokenizer_source: Path, *, opens_thinking: bool
     """The tiny model with SmolLM2's vocabulary plus ``<think>`` and ``</think>`` (user-defined
     tokens, as in Qwen3) and the Qwen-style template above, which opens a thinking block in its
     generation prompt (or, with ``opens_thinking=False``, leaves the model to open one)."""
-    path = cache / f"tiny-reasoning-v2-{'opens' if opens_thinking else 'plain'}.gguf"
+    path = cache / f"tiny-reasoning-v3-{'opens' if opens_thinking else 'plain'}.gguf"
     if not path.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         fields = {k: f.contents() for k, f in copy_tokenizer(tokenizer_source).items()}  # type: ignore[attr-defined]

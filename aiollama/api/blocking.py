@@ -33,7 +33,7 @@ from aiollama.decoder.outputs import (
     TokenLogprob,
 )
 from aiollama.errors import EngineClosed, EngineDead
-from aiollama.formats.chat import Messages
+from aiollama.formats.messages import Messages
 
 
 class SyncStream:
@@ -124,7 +124,7 @@ class SyncConversation:
         return self._portal.call(lambda: self._conv.tokens)
 
     @property
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         return self._portal.call(lambda: self._conv.messages)
 
     def __len__(self) -> int:
@@ -136,10 +136,9 @@ class SyncConversation:
     def prompt(self, content: str | Sequence[int], *, special: bool = False) -> None:
         self._portal.call(functools.partial(self._conv.prompt, content, special=special))
 
-    def append_chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> int:
-        return self._portal.call(functools.partial(self._conv.append_chat, messages, tools=tools,
-                                                   chat_template_kwargs=chat_template_kwargs))
+    def append_chat(self, messages: Messages, **options: Any) -> int:
+        """Append a chat turn without generating; see ``Conversation.append_chat``."""
+        return self._portal.call(functools.partial(self._conv.append_chat, messages, **options))
 
     def fork(self) -> SyncConversation:
         return SyncConversation(self._portal, self._portal.call(self._conv.fork))
@@ -153,12 +152,10 @@ class SyncConversation:
             params["guidance"] = params["guidance"]._conv
         return SyncStream(self._portal, self._start(functools.partial(self._conv.stream, **params)))
 
-    def chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = "auto",
-             chat_template_kwargs: dict[str, Any] | None = None, **params: Any) -> SyncStream:
-        """Append a chat turn and stream the reply; see ``Conversation.chat``."""
-        call = functools.partial(self._conv.chat, messages, tools=tools, tool_choice=tool_choice,
-                                 chat_template_kwargs=chat_template_kwargs, **params)
-        return SyncStream(self._portal, self._start(call))
+    def chat(self, messages: Messages, **params: Any) -> SyncStream:
+        """Append a chat turn and stream the reply; see ``Conversation.chat`` (its options and
+        ``stream()``'s parameters)."""
+        return SyncStream(self._portal, self._start(functools.partial(self._conv.chat, messages, **params)))
 
     def _start(self, start: Callable[[], Stream]) -> Stream:
         # a Stream is awaitable: returned in a box, so that the portal hands it over instead of awaiting it

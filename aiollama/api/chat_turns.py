@@ -10,8 +10,7 @@ stream generate it again, cutting to where a turn began removes that turn.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,17 +18,12 @@ from aiollama.api.client import EngineClient
 from aiollama.api.media import pictures
 from aiollama.api.stream import Collector
 from aiollama.decoder.outputs import FinishReason
-from aiollama.errors import ChatTemplateError
-from aiollama.formats.chat import (
-    IMAGE,
-    REPLY,
-    Messages,
-    normalize,
-    protect,
-    segments,
-    template_text,
-)
-from aiollama.formats.toolcalls import describe
+from aiollama.errors import ChatTemplateError, InvalidRequestError
+from aiollama.formats.chat import Rendered
+from aiollama.formats.messages import IMAGE, REPLY, Messages, normalize
+from aiollama.formats.reply import ReplyReader
+from aiollama.formats.toolcalls import call_schema
+from aiollama.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -38,74 +32,74 @@ class _Turn:
     reply_start: int  # its length after them: where the reply begins
     n_given: int  # messages given before this turn's (the reply before it not counted)
     previous: Collector | None  # the reply before this turn
+    prefill: str = ""  # the assistant text this turn's reply continues (continue_final_message)
 
 
 class ChatTurns:
     def __init__(self) -> None:
-        self.given: list[dict[str, str]] | None = None  # messages so far; None before the first turn
+        self.given: list[dict[str, Any]] | None = None  # messages so far; None before the first turn
         self.reply: Collector | None = None  # the latest turn's reply, as it streams
         self.turns: list[_Turn] = []
         self.broken = False  # rewound into the middle of a turn's prompt
 
     @property
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
+        out = self._with_reply()
+        if self.reply is None and not (self.turns and self.turns[-1].prefill):
+            out.pop()
+        return out
+
+    def _with_reply(self) -> list[dict[str, Any]]:
+        """The messages so far and the latest turn's reply (empty while none was generated)."""
         out = [dict(m) for m in self.given or ()]
-        if self.reply is not None:
-            out.append({"role": "assistant", "content": self.reply.text})
+        prefill = self.turns[-1].prefill if self.turns else ""
+        out.append({"role": "assistant", "content": prefill + (self.reply.text if self.reply is not None else "")})
         return out
 
     def render(self, core: EngineClient, messages: Messages, *, first: bool,
-               tools: list[dict[str, Any]] | None = None,
-               kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[dict[str, Any]], dict[int, Any]]:
-        """The tokens of a new turn holding ``messages`` (offering ``tools``, the template given
-        ``kwargs``), and the messages normalized. A template without a place for tools gets them described in a system message,
-        and earlier tool calls written as JSON, as llama-server does."""
+               **options: Any) -> tuple[list[int], Rendered, dict[int, Any]]:
+        """The tokens of a new turn holding ``messages`` (``options``: those of
+        :meth:`aiollama.formats.chat.ChatTemplate.render`), the rendering (its messages, and what
+        the reply is parsed and constrained by), and the pictures' rows by image number."""
         if self.broken:
             raise ChatTemplateError("the conversation was rewound into the middle of a chat turn; rewind "
                                     "to where a turn or a reply begins, or start a new conversation")
         messages, images = pictures(messages)
         new = normalize(messages)
-        for message in new:
-            for text in template_text(message):
-                core.check_template_text(text)
         template = core.chat_template
-        if tools and not template.supports_tools:
-            new = tools_as_text(new, tools, first=self.given is None)
-            tools = None
-        protected, contents = protect(new)
         if self.given is None:
-            rendered = template.render(protected, True, tools, kwargs)
+            rendered = template.render(new, **options)
+            start = 0
         else:
-            history = self.messages
-            if self.reply is None:
-                history.append({"role": "assistant", "content": ""})
-            previous = history[:-1] + [{"role": "assistant", "content": REPLY}]
-            full = template.render(previous + protected, True, tools, kwargs)
-            at = full.rfind(REPLY)
+            previous = self._with_reply()[:-1] + [{"role": "assistant", "content": REPLY}]
+            rendered = template.render(previous + new, describe_tools=False, **options)
+            at = rendered.text.rfind(REPLY)
             if at < 0:
                 raise ChatTemplateError("the chat template drops the previous assistant reply, so a turn "
                                         "cannot be appended; start a new conversation with all messages")
-            rendered = full[at + len(REPLY):]
+            start = at + len(REPLY)
             if self.reply is not None and self.reply.finish_reason is FinishReason.EOG:
                 # the reply's end-of-generation token is already in the conversation
-                rendered = next((rendered[len(t):] for t in template.eog_texts if rendered.startswith(t)),
-                                rendered)
-        parts = segments(rendered, contents)
-        if sum(p.text.count(IMAGE) for p in parts if not p.template) != len(images):
+                start += next((len(t) for t in template.eog_texts if rendered.text.startswith(t, start)), 0)
+        parts = rendered.parts(start)
+        if sum(p.text.count(IMAGE) for p in parts) != len(images):
             raise ChatTemplateError("the chat template dropped or repeated a message's picture")
         encoded = [core.images.tokens(image) for image in images]
         tokens = core.chat_tokens(parts, first=first, images=[t for t, _ in encoded])
         if not tokens:
             raise ChatTemplateError("the chat template rendered nothing for these messages")
-        return tokens, new, {n: r for _, rows in encoded for n, r in rows.items()}
+        return tokens, rendered, {n: r for _, rows in encoded for n, r in rows.items()}
 
-    def appended(self, start: int, n_tokens: int, new: list[dict[str, str]]) -> None:
+    def appended(self, start: int, n_tokens: int, rendered: Rendered) -> None:
         """A turn of ``n_tokens`` was appended at history length ``start``."""
         n_given = len(self.given or ())
-        history = self.messages
-        if self.given is not None and self.reply is None:
-            history.append({"role": "assistant", "content": ""})  # as render() put it
-        self.turns.append(_Turn(start, start + n_tokens, n_given, self.reply))
+        history = self._with_reply() if self.given is not None else []
+        new = rendered.messages[len(history):]
+        prefill = ""
+        if rendered.continuation:
+            content = new.pop()["content"]
+            prefill = content if isinstance(content, str) else "".join(p["text"] for p in content or ())
+        self.turns.append(_Turn(start, start + n_tokens, n_given, self.reply, prefill))
         self.given, self.reply = history + new, None
 
     def streaming(self, history_len: int, result: Collector) -> None:
@@ -143,7 +137,7 @@ class ChatTurns:
         if self.given is None:
             return None
         return {"given": self.given, "broken": self.broken, "reply": _reply_state(self.reply),
-                "turns": [[t.start, t.reply_start, t.n_given, _reply_state(t.previous)] for t in self.turns]}
+                "turns": [[t.start, t.reply_start, t.n_given, _reply_state(t.previous), t.prefill] for t in self.turns]}
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> ChatTurns:
@@ -153,7 +147,8 @@ class ChatTurns:
         if state is not None:
             chat.given, chat.broken = [dict(m) for m in state["given"]], bool(state["broken"])
             chat.reply = _reply_of(state["reply"])
-            chat.turns = [_Turn(int(a), int(b), int(n), _reply_of(r)) for a, b, n, r in state["turns"]]
+            chat.turns = [_Turn(int(a), int(b), int(n), _reply_of(r), str(p[0]) if p else "")
+                          for a, b, n, r, *p in state["turns"]]
         return chat
 
 
@@ -169,21 +164,43 @@ def _reply_of(state: dict[str, Any] | None) -> Collector | None:
     return Collector([str(state["text"])], [int(t) for t in state["tokens"]], FinishReason(state["finish_reason"]))
 
 
-def tools_as_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, first: bool) -> list[dict[str, Any]]:
-    """Messages for a template without a place for tools: earlier calls written as JSON in their
-    message, and (``first``: the conversation's first turn) the tools described in the system
-    message, as llama-server does."""
-    out = []
-    for message in messages:
-        if message.get("tool_calls"):
-            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                     for c in message["tool_calls"]]
-            text = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
-            message = {"role": message["role"], "content": (message["content"] + "\n" + text).strip()}
-        out.append(message)
-    if first:
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + describe(tools)}
+def check_turn(params: dict[str, Any], tool_choice: Any) -> None:
+    """Refuse a chat turn's stream parameters before the turn is appended: a bad one must not
+    leave half a turn behind."""
+    SamplingParams.from_kwargs(**{k: v for k, v in params.items() if k not in STREAM_ONLY})
+    if tool_choice not in (None, "auto", "none") and any(params.get(k) is not None for k in CONSTRAINTS):
+        raise InvalidRequestError("tool_choice 'required' or a named function constrains the output; "
+                                  "give no other constraint with it")
+
+
+def reader_for(core: EngineClient, turn: Rendered) -> ReplyReader:
+    """The reader of a chat turn's reply, in its model's format."""
+    return ReplyReader(core.chat_template.parser(turn), described=turn.described if turn.parse_tool_calls else ())
+
+
+def reply_params(turn: Rendered, params: dict[str, Any]) -> dict[str, Any]:
+    """A chat turn's stream parameters: its model's marker tokens shown in the text, the format's
+    own stop strings, and the constraint a required or named tool call asks for (llama.cpp's
+    grammar, which begins with the generation prompt; a JSON schema where the tools were
+    described)."""
+    out = dict(params)
+    formats = turn.params
+    out["preserved_tokens"] = tuple(formats.get("preserved_tokens") or ())
+    extra = formats.get("additional_stops") or []
+    if extra:
+        given = out.get("stop") or ()
+        out["stop"] = (*([given] if isinstance(given, str) else given), *extra)
+    schema = call_schema(turn.described, turn.tool_choice) if turn.described else None
+    if turn.grammar is not None or schema is not None:
+        if any(out.get(k) is not None for k in CONSTRAINTS):
+            raise InvalidRequestError("tool_choice 'required' or a named function constrains the output; "
+                                      "give no other constraint with it")
+        if schema is not None:
+            out["json_schema"] = schema
         else:
-            out.insert(0, {"role": "system", "content": describe(tools)})
+            out["grammar"], out["grammar_prefill"] = turn.grammar, formats.get("generation_prompt", "")
     return out
+
+
+CONSTRAINTS = ("grammar", "json_schema", "regex", "lark")
+STREAM_ONLY = ("guidance", "guidance_scale", "lora")  # stream() parameters that are not sampling parameters

@@ -18,7 +18,6 @@ from aiollama.decoder.commands import Admission, Command
 from aiollama.decoder.loop import DecodeLoop
 from aiollama.decoder.outputs import Item, Statistics
 from aiollama.errors import (
-    ChatTemplateError,
     ContextFull,
     EngineClosed,
     EngineDead,
@@ -215,29 +214,14 @@ class EngineClient:
 
     @property
     def chat_template(self) -> ChatTemplate:
-        """The model's chat template (built on first use)."""
+        """The model's chat template, rendered by llama.cpp (built on first use): the engine's
+        ``chat_template`` option, else the GGUF's own (ChatML where it has none, as llama-server).
+        Raises ChatTemplateError for a template llama.cpp cannot read."""
         if self._chat_template is None:
-            tokenizer = self.tokenizer
-            source = tokenizer.chat_template()
-            texts = {t: tokenizer.token_text(t) for t in (tokenizer.bos, tokenizer.eos, tokenizer.eot) if t >= 0}
-
-            def builtin(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-                try:
-                    return tokenizer.builtin_chat(messages, source or "chatml", add_generation_prompt)
-                except InvalidRequestError:  # a template llama.cpp does not recognize
-                    return tokenizer.builtin_chat(messages, "chatml", add_generation_prompt)
-
-            self._chat_template = ChatTemplate(
-                source, bos_token=texts.get(tokenizer.bos, ""), eos_token=texts.get(tokenizer.eos, ""),
-                builtin=builtin, eog_texts=[texts[t] for t in (tokenizer.eot, tokenizer.eos) if t in texts])
+            self._chat_template = ChatTemplate.of(self.tokenizer, self.config.chat_template,
+                                                  reasoning=self.config.reasoning)
         return self._chat_template
 
     def chat_tokens(self, parts: list[Segment], *, first: bool, images: Sequence[list[int]] = ()) -> list[int]:
         """Tokens of rendered chat text: split only at the template's own special tokens."""
         return chat_tokens(self.tokenizer, parts, first=first, images=images)
-
-    def check_template_text(self, text: str) -> None:
-        """Text a template writes as its own (a role, a tool call) must hold no special-token text."""
-        if self.tokenize(text, add_special=False, special=True) != self.tokenize(text, add_special=False,
-                                                                                  special=False):
-            raise ChatTemplateError(f"{text[:80]!r} holds special-token text (a role or a tool call)")

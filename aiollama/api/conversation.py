@@ -17,14 +17,14 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
 
 from aiollama._validate import lora_set, number
-from aiollama.api.chat_turns import ChatTurns
+from aiollama.api.chat_turns import ChatTurns, check_turn, reader_for, reply_params
 from aiollama.api.client import EngineClient
 from aiollama.api.media import Image
 from aiollama.api.portal import AsyncSink
@@ -46,15 +46,13 @@ from aiollama.errors import (
     Overloaded,
 )
 from aiollama.formats import savefile
-from aiollama.formats.chat import Messages
-from aiollama.formats.toolcalls import call_schema, tool_names, tool_schemas
+from aiollama.formats.chat import Rendered
+from aiollama.formats.messages import Messages
 from aiollama.sampling import SamplingParams
 
 __all__ = ["Chunk", "Completion", "Conversation", "Stream"]
 
 _C = TypeVar("_C", bound="_ConversationBase")
-
-GUIDANCE = ("guidance", "guidance_scale")  # stream parameters that are not sampling parameters
 
 
 class _ConversationBase:
@@ -65,7 +63,7 @@ class _ConversationBase:
         self._chat = ChatTurns()
         self._closed = False
         self._last_stream: weakref.ref[StreamBase] | None = None
-        self._tool_names: Collection[str] = []  # the tools the current chat turn offered
+        self._turn: Rendered | None = None  # the chat turn whose reply the next stream is
 
     def _check(self) -> None:
         self._client.check()
@@ -114,46 +112,26 @@ class _ConversationBase:
         self._client.check_prompt(tokens)
         self._client.send(Prompt(self.id, tuple(tokens), images or {}))
         self._history.prompt(tokens)
+        self._turn = None  # a stream after this is no chat turn's reply
 
     @property
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         """The chat so far: every message given to ``chat()`` and the replies streamed back."""
         return self._chat.messages
 
-    def append_chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> int:
+    def append_chat(self, messages: Messages, **options: Any) -> int:
         """Append ``messages`` as the next chat turn, with the assistant's generation prompt, without
-        generating (``chat()`` does both; a ``stream()`` afterwards is the turn's reply). ``tools``
-        (OpenAI-style function tools) and ``chat_template_kwargs`` (``enable_thinking``, say: only
-        variables the template reads) reach the template. Returns the number of tokens appended."""
+        generating (``chat()`` does both; a ``stream()`` afterwards is the turn's reply, read and
+        constrained as ``chat()``'s). ``options`` are ``chat()``'s (``tools``, ``tool_choice``,
+        ``chat_template_kwargs``...). Returns the number of tokens appended."""
         self._check()
         self._check_idle()
         start = len(self)
-        tokens, new, images = self._chat.render(self._client, messages, first=start == 0, tools=tools,
-                                                kwargs=chat_template_kwargs)
+        tokens, rendered, images = self._chat.render(self._client, messages, first=start == 0, **options)
         self._append(tokens, images)
-        self._tool_names = tool_schemas(tools) if tools else []
-        self._chat.appended(start, len(tokens), new)
+        self._turn = rendered
+        self._chat.appended(start, len(tokens), rendered)
         return len(tokens)
-
-    def _chat_turn(self, messages: Messages, params: dict[str, Any], tools: list[dict[str, Any]] | None,
-                   tool_choice: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        """Append a turn; the stream's parameters, with the constraint ``tool_choice`` asks for."""
-        self._check()
-        if tools:
-            tool_names(tools)  # checks every definition before anything is appended
-            schema = call_schema(tools, tool_choice)
-            if schema is not None:
-                if any(params.get(k) is not None for k in ("grammar", "json_schema", "regex", "lark")):
-                    raise InvalidRequestError("tool_choice 'required' or a named function constrains the output; "
-                                              "give no other constraint with it")
-                params = {**params, "json_schema": schema}
-            if tool_choice == "none":
-                tools = None
-        # a bad parameter must not leave half a turn behind
-        SamplingParams.from_kwargs(**{k: v for k, v in params.items() if k not in GUIDANCE})
-        self.append_chat(messages, tools=tools, chat_template_kwargs=kwargs)
-        return params
 
     def _check_idle(self) -> None:
         last = self._last_stream() if self._last_stream is not None else None
@@ -180,6 +158,7 @@ class _ConversationBase:
         for tokens in waiting:
             child._append(list(tokens))
         child._chat = self._chat.copy()
+        child._turn = self._turn
         return child
 
     def rewind(self, n: int) -> None:
@@ -200,6 +179,7 @@ class _ConversationBase:
         self._client.send(Rewind(self.id, keep))
         self._history.rewind(keep)
         self._chat.rewound(keep, self._client.detokenize)
+        self._turn = None
 
     def _save_request(self, sink: AsyncSink) -> None:
         self._check()
@@ -248,6 +228,9 @@ class _ConversationBase:
         created = time.perf_counter()
         self._check()
         adapters = None if "lora" not in params else lora_set(params.pop("lora"), self._client.config.lora)
+        turn = self._turn
+        if turn is not None:
+            params = reply_params(turn, params)
         sampling = SamplingParams.from_kwargs(**params)
         self._check_idle()
         if guide is not None:
@@ -274,7 +257,9 @@ class _ConversationBase:
         if guide is not None:
             guide._last_stream = weakref.ref(stream)
         self._chat.streaming(start, stream._result)
-        stream._result.tool_names, self._tool_names = self._tool_names, []
+        self._turn = None
+        if turn is not None:
+            stream._result.reader = reader_for(self._client, turn)
         stream._result.in_thinking = inside
         self._last_stream = weakref.ref(stream)
 
@@ -347,18 +332,29 @@ class Conversation(_ConversationBase):
         return stream
 
     def chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = "auto",
-             chat_template_kwargs: dict[str, Any] | None = None, **params: Any) -> Stream:
+             chat_template_kwargs: dict[str, Any] | None = None, reasoning_effort: str | None = None,
+             continue_final_message: bool = False, reasoning_format: str = "auto",
+             parallel_tool_calls: bool | None = None, **params: Any) -> Stream:
         """Append a chat turn in the model's own template, then stream the assistant's reply.
 
         ``messages`` is a str (one user message), a {"role", "content"} mapping, or a list of them
-        (assistant messages with ``tool_calls`` and ``tool`` messages too). Each call appends to this
-        conversation: earlier turns stay in the KV cache and are never evaluated again. Content is
-        plain text: it never becomes control tokens. ``tools`` are OpenAI-style function tools, given
-        to the template (or described in a system message when it has no place for them); the
-        completion's ``tool_calls`` are the calls the reply makes. ``tool_choice`` "required" or
-        ``{"type": "function", "function": {"name": ...}}`` constrains the reply to a valid call,
-        "none" offers no tools. ``chat_template_kwargs`` are variables for the template (see
-        ``append_chat``). Parameters are those of ``stream()``.
+        (assistant messages with ``tool_calls`` and ``reasoning_content``, ``tool`` messages too).
+        Each call appends to this conversation: earlier turns stay in the KV cache and are never
+        evaluated again. The template is rendered by llama.cpp as llama-server renders it. Content
+        is plain text: it never becomes control tokens. ``tools`` are OpenAI-style function tools,
+        given to the template (or described in a system message when it has no place for them); the
+        reply is read in the model's own format (llama.cpp's parser of it), and the completion's
+        ``reasoning``, ``content`` and ``tool_calls`` are what it holds. ``tool_choice`` "required"
+        or ``{"type": "function", "function": {"name": ...}}`` constrains the reply to a call in that
+        format (llama.cpp's grammar), "none" leaves the calls in the content.
+        ``chat_template_kwargs`` are variables for the template (only those it reads;
+        ``enable_thinking`` where it has a thinking switch, which is on by default as in
+        llama-server), ``reasoning_effort`` the level of a template that reads one ("none" switches
+        thinking off). ``continue_final_message``: the last message is the assistant's, and the
+        reply continues it. ``reasoning_format`` is llama-server's: "auto" (or "deepseek") reads a
+        thinking block into ``reasoning``, "none" leaves it in the content, "deepseek-legacy" keeps
+        its tags in the content as well. ``parallel_tool_calls`` None lets a template that can make
+        several calls in a reply do so. Parameters are those of ``stream()``.
 
         Raises:
             ChatTemplateError: a malformed message, a role with special-token text, or messages the
@@ -367,7 +363,11 @@ class Conversation(_ConversationBase):
             ``stream()`` raises (``Overloaded``), the turn stays appended: call ``stream()`` later
             for the reply.
         """
-        params = self._chat_turn(messages, params, tools, tool_choice, chat_template_kwargs)
+        self._check()
+        check_turn(params, tool_choice)
+        self.append_chat(messages, tools=tools, tool_choice=tool_choice, chat_template_kwargs=chat_template_kwargs,
+                         reasoning_effort=reasoning_effort, continue_final_message=continue_final_message,
+                         reasoning_format=reasoning_format, parallel_tool_calls=parallel_tool_calls)
         return self.stream(**params)
 
     async def save(self, path: str | os.PathLike[str]) -> None:

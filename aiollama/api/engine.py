@@ -17,10 +17,10 @@ from typing import Any
 import anyio
 
 from aiollama._validate import lora_set
-from aiollama.api.chat_turns import ChatTurns, tools_as_text
+from aiollama.api.chat_turns import ChatTurns
 from aiollama.api.client import EngineClient
 from aiollama.api.conversation import Completion, Conversation
-from aiollama.api.media import Image
+from aiollama.api.media import Image, pictures
 from aiollama.api.portal import AsyncSink, current_portal
 from aiollama.config import EngineConfig
 from aiollama.decoder.commands import ClearCache, Embed, Load, NewConversation
@@ -32,8 +32,8 @@ from aiollama.errors import (
     InvalidRequestError,
 )
 from aiollama.formats import savefile
-from aiollama.formats.chat import Messages, normalize
-from aiollama.formats.toolcalls import tool_names
+from aiollama.formats.chat import ChatTemplate
+from aiollama.formats.messages import Messages, normalize
 from aiollama.models import default_model
 from aiollama.runner.executor import NativeExecutor
 from aiollama.sampling import seed_for
@@ -115,24 +115,28 @@ class _EngineBase:
         """The bytes a token stands for (special tokens as their text); thread-safe."""
         return self._client.tokenizer.piece(token)
 
-    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
-        """The text the model's chat template makes of ``messages`` (offering ``tools``, with
-        ``chat_template_kwargs``): the prompt ``chat()`` evaluates for a new conversation. Raises
-        ``ChatTemplateError`` for malformed messages or kwargs, ``InvalidRequestError`` for a
-        malformed tool."""
-        template, new = self._client.chat_template, normalize(messages)
-        if tools:
-            tool_names(tools)
-            if not template.supports_tools:
-                new, tools = tools_as_text(new, tools, first=True), None
-        return template.render(new, add_generation_prompt, tools or None, chat_template_kwargs)
+    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True, **options: Any) -> str:
+        """The text the model's chat template makes of ``messages``, as llama.cpp renders it (the
+        prompt llama-server evaluates for the same request, and ``chat()`` for a new conversation);
+        ``options`` are ``chat()``'s (``tools``, ``tool_choice``, ``chat_template_kwargs``,
+        ``reasoning_effort``, ``continue_final_message``...). Raises ``ChatTemplateError`` for
+        malformed messages or kwargs, or what the template refuses, and ``InvalidRequestError``
+        for a malformed tool."""
+        options.pop("reasoning_format", None)  # how a reply is read: nothing of the prompt
+        rendered = self._client.chat_template.render(normalize(pictures(messages)[0]),
+                                                     add_generation_prompt=add_generation_prompt, **options)
+        return rendered.prompt
 
     def chat_template_reads(self, name: str) -> bool:
         """Whether the model's chat template reads the variable ``name`` (``enable_thinking``, say),
         so that ``chat_template_kwargs`` can set it."""
         return self._client.chat_template.reads(name)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template as llama.cpp reads it: its ``source``, ``caps`` (what it
+        supports: tools, a system role, thinking...) and ``supports_thinking``."""
+        return self._client.chat_template
 
     def statistics(self) -> Statistics:
         """The engine's counters after the latest decode step (conversations, KV cells, tokens, time)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from aiollama.errors import ChatTemplateError, ImageError
-from aiollama.formats.chat import IMAGE, Messages
+from aiollama.formats.messages import IMAGE, Messages
 from aiollama.formats.media import (
     MAX_IMAGE_ROWS,
     MAX_IMAGES,
@@ -155,8 +155,9 @@ class ImageEncoder:
 
 
 def pictures(messages: Messages) -> tuple[Messages, list[Image]]:
-    """Chat messages whose contents may be lists of parts, as messages of text content, with each
-    picture's place marked (:data:`aiollama.formats.chat.IMAGE`); and the pictures in order.
+    """Chat messages whose contents may be lists of parts, with each picture made a marker part
+    (``{"type": "media_marker", "text": IMAGE}``, as llama.cpp's chat layer takes them) and each
+    text part ``{"type": "text", "text": ...}``; and the pictures in order.
 
     A part is text (a str, or ``{"type": "text", "text": ...}``), an :class:`Image`,
     ``{"type": "image", "image": Image}``, or OpenAI's ``{"type": "image_url", "image_url": {"url":
@@ -171,12 +172,12 @@ def pictures(messages: Messages) -> tuple[Messages, list[Image]]:
         if isinstance(content, str) and IMAGE in content:
             raise ChatTemplateError("message content holds U+E003, which aiollama reserves")
         if isinstance(content, (list, tuple)):
-            message = {**message, "content": "".join(_part(p, found) for p in content)}
+            message = {**message, "content": [_part(p, found) for p in content]}
         out.append(message)
     return out, found
 
 
-def _part(part: Any, found: list[Image]) -> str:
+def _part(part: Any, found: list[Image]) -> dict[str, str]:
     if isinstance(part, Mapping):
         kind = part.get("type")
         if kind == "text" and isinstance(part.get("text"), str):
@@ -189,8 +190,8 @@ def _part(part: Any, found: list[Image]) -> str:
     if isinstance(part, str):
         if IMAGE in part:
             raise ChatTemplateError("message content holds U+E003, which aiollama reserves")
-        return part
+        return {"type": "text", "text": part}
     if isinstance(part, Image):
         found.append(part)
-        return IMAGE
+        return {"type": "media_marker", "text": IMAGE}
     raise ChatTemplateError(f"a content part is text or an image, got {part!r:.80}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Collection, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,8 @@ from aiollama.decoder.outputs import (
     TokenLogprob,
 )
 from aiollama.formats import reasoning
-from aiollama.formats.toolcalls import ToolCall, parse
+from aiollama.formats.reply import ReplyReader
+from aiollama.formats.toolcalls import ToolCall
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,10 @@ class Completion:
     it cost (None when the engine closed under it); ``stop_sequence`` is the stop string that ended
     it (finish reason STOP). With ``prompt_logprobs``, ``prompt_logprobs`` scores each prompt token
     after the first. ``reasoning`` is the text of a thinking block
-    at its start (see :mod:`aiollama.formats.reasoning`) and ``content`` the rest: all of ``text`` for a
-    model that does not think, and what a constraint matched. When the chat turn offered tools,
-    ``tool_calls`` are the calls the content makes (see :mod:`aiollama.formats.toolcalls`)."""
+    at its start and ``content`` the rest: all of ``text`` for a model that does not think, and what
+    a constraint matched. A chat turn's reply is read in its model's own format, by llama.cpp's
+    parser (see :mod:`aiollama.formats.reply`), and ``tool_calls`` are the calls it makes; a plain
+    prompt's text is split at ``<think>`` markers (:mod:`aiollama.formats.reasoning`)."""
 
     text: str
     tokens: list[int]
@@ -170,7 +172,7 @@ class Collector:
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    tool_names: Collection[str] = field(default_factory=list)  # the tools offered: parse calls at the end
+    reader: ReplyReader | None = None  # a chat turn's reply: read in its model's format at the end
     in_thinking: bool = False  # the prompt opened a thinking block
     stop_sequence: str | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -202,8 +204,12 @@ class Collector:
 
     def completion(self) -> Completion:
         text = self.text
-        thought, content = reasoning.split(text, inside=self.in_thinking)
-        calls = parse(content, self.tool_names)[1] if self.tool_names else []
+        if self.reader is not None:
+            message = self.reader.read(text)
+            thought, content, calls = message.reasoning, message.content, message.tool_calls
+        else:
+            thought, content = reasoning.split(text, inside=self.in_thinking)
+            calls = []
         return Completion(text, list(self.tokens), self.finish_reason or FinishReason.CANCELLED, self.stats,
                           list(self.logprobs), calls, thought, content, self.stop_sequence, list(self.prompt_logprobs))
 
@@ -237,6 +243,12 @@ class StreamBase:
     def _take(self, item: Item) -> Chunk | None:
         self._history.read(item)
         return self._result.take(item)
+
+    @property
+    def reader(self) -> ReplyReader | None:
+        """A chat turn's reply read in its model's format, for a caller that reads it as it streams
+        (feed it each chunk's text, then finish it); None for a stream that answers no chat turn."""
+        return self._result.reader
 
     @property
     def in_thinking(self) -> bool:

@@ -1,12 +1,22 @@
-"""Chat templates: the model's own Jinja template in a sandbox, llama.cpp's built-ins as a fallback.
+"""Chat templates: the model's own template, rendered by llama.cpp, and caller text that never
+becomes control tokens.
 
-Caller text never becomes control tokens. A template is rendered with a placeholder in place of
-each message's content, so the special tokens the template itself wrote can be told apart from
-text that merely looks like one. The rendered text is then split only at the template's special
-tokens, and everything between them (template text and contents together) is tokenized in one
-piece as plain text: the tokens are exactly those of tokenizing the whole rendered prompt with
-special tokens parsed, as llama-server does, whenever the contents hold no special-token text.
-Roles may not contain special-token text at all.
+Rendering is llama.cpp's (:class:`ChatLayer`, implemented by :mod:`aiollama.native.chat`): its
+Jinja engine reads every vendor template, and its chat layer handles each one as llama-server does
+(a system message folded into the first turn where a template has no system role, tool-call
+arguments as objects, the thinking switch on where a template has one, today's date, preserved
+reasoning). It also derives what the reply needs: the parser of the model's format, the grammar
+that constrains a tool call, the generation prompt. So a prompt is llama-server's for the same
+request, with the defaults of llama-server's ``--jinja``.
+
+Caller text never becomes control tokens. llama-server tokenizes the whole rendered prompt with
+special tokens parsed, so a message holding ``<|im_end|>`` text would end its turn. Where no caller
+text holds special-token text, aiollama evaluates exactly that prompt. Where some does, the request
+is rendered again with a placeholder in place of each message's content, so that the special
+tokens the template itself wrote can be told apart from text that merely looks like one; the text
+is then split only at the template's special tokens, and everything between them (template text and
+contents together) is tokenized in one piece as plain text. Roles, tool calls and tool definitions
+may not hold special-token text at all.
 
 Multi-turn chat appends: each turn renders the messages so far plus the new ones, and only the text
 after the previous assistant reply (the end of that reply's turn, the new messages and the
@@ -16,88 +26,52 @@ generation prompt) is appended, so earlier turns are never evaluated again.
 from __future__ import annotations
 
 import json
-import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from aiollama.errors import ChatTemplateError
+from aiollama.config import REASONING_MODES
+from aiollama.errors import ChatTemplateError, InvalidRequestError
+from aiollama.formats.messages import (
+    _CONTENT_RE,
+    IMAGE,
+    caller_texts,
+    protect,
+    template_texts,
+    tools_as_text,
+)
 from aiollama.formats.tokens import SpecialToken, Tokenizer
+from aiollama.formats.toolcalls import tool_names
 
-_CONTENT = "\ue000{}\ue001"  # private-use characters: no tokenizer or template gives them meaning
-_CONTENT_RE = re.compile("\ue000([0-9]+)\ue001")
-REPLY = "\ue002"  # stands for the previous assistant reply, which is already in the conversation
-IMAGE = "\ue003"  # stands for a picture in a message's content (its tokens come from the projector)
-
-Messages = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
 _ASCII_SPACE = " \t\n\v\f\r"  # what C's isspace() strips
-log = logging.getLogger("aiollama.formats.chat")
+REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")  # llama-server's reasoning_format
+TOOL_CHOICES = ("auto", "none", "required")
 
 
-def normalize(messages: Messages) -> list[dict[str, Any]]:
-    """``messages`` as a list of {"role", "content"} dicts: a str is one user message. An assistant
-    message may have ``tool_calls`` (and no content), a tool message ``tool_call_id`` and ``name``;
-    arguments given as JSON text are passed to templates as objects, as they expect."""
-    if isinstance(messages, str):
-        messages = {"role": "user", "content": messages}
-    if isinstance(messages, Mapping):
-        messages = [messages]
-    if not isinstance(messages, Sequence) or isinstance(messages, (bytes, bytearray)):
-        raise ChatTemplateError(f"messages must be a str, a message or a list of messages, got "
-                                f"{type(messages).__name__}")
-    if not messages:
-        raise ChatTemplateError("messages must not be empty")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ChatTemplateError(f"message {i} must be a mapping with 'role' and 'content'")
-        role, content = message.get("role"), message.get("content")
-        calls = message.get("tool_calls")
-        if content is None and calls:
-            content = ""
-        if not isinstance(role, str) or not role or not isinstance(content, str):
-            raise ChatTemplateError(f"message {i} needs a non-empty str 'role' and a str 'content'")
-        if "\ue000" in content or "\ue001" in content or REPLY in content or REPLY in role:
-            raise ChatTemplateError(f"message {i} holds characters U+E000..U+E002, which aiollama reserves")
-        item: dict[str, Any] = {"role": role, "content": content}
-        if calls:
-            item["tool_calls"] = _tool_calls(i, calls)
-        for key in ("tool_call_id", "name"):
-            if isinstance(message.get(key), str):
-                item[key] = message[key]
-        out.append(item)
-    return out
+class ReplyParser(Protocol):
+    """Reads a reply in its model's format (:class:`aiollama.native.chat.ChatParser`)."""
+
+    def parse(self, text: str, *, partial: bool) -> dict[str, Any]:
+        """{"content", "reasoning_content", "tool_calls": [{"name", "arguments", "id"}]}; ValueError
+        where a whole reply does not match the format."""
+        ...
 
 
-def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
-    if not isinstance(calls, Sequence) or isinstance(calls, str):
-        raise ChatTemplateError(f"message {i}: tool_calls must be a list")
-    out = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise ChatTemplateError(f"message {i}: each tool call needs a function with a name")
-        arguments = function.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
-                raise ChatTemplateError(f"message {i}: tool call arguments are not JSON: {arguments!r}") from None
-        out.append({"id": call.get("id", ""), "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})
-    return out
+class ChatLayer(Protocol):
+    """llama.cpp's chat templates of one model (:class:`aiollama.native.chat.ChatTemplates`)."""
 
+    source: str
+    tool_use_source: str
+    caps: dict[str, bool]
+    supports_thinking: bool
 
-def template_text(message: Mapping[str, Any]) -> list[str]:
-    """The text of a message that templates write as is, not as caller content: the role and the
-    tool calls (names and arguments). It must not hold special-token text."""
-    parts = [message["role"]]
-    for call in message.get("tool_calls", ()):
-        parts += [call["function"]["name"], json.dumps(call["function"]["arguments"], ensure_ascii=False)]
-    return parts
+    def apply(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Render a request; ChatTemplateError where the template cannot."""
+        ...
+
+    def parser(self, params: Mapping[str, Any]) -> ReplyParser: ...
 
 
 @dataclass(frozen=True)
@@ -106,14 +80,7 @@ class Segment:
     template: bool  # True: the template's own text (special tokens parsed); False: caller content
 
 
-def protect(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Messages with each content replaced by a placeholder (an empty one stays empty, for templates
-    that test it), and the contents in order."""
-    return ([{**m, "content": _CONTENT.format(i) if m["content"] else ""} for i, m in enumerate(messages)],
-            [m["content"] for m in messages])
-
-
-def segments(rendered: str, contents: list[str]) -> list[Segment]:
+def segments(rendered: str, contents: Sequence[str]) -> list[Segment]:
     """Split rendered text into template text and caller content (at the placeholders)."""
     out: list[Segment] = []
     pos = 0
@@ -151,19 +118,22 @@ def _split(text: str, specials: Sequence[SpecialToken]) -> list[str | SpecialTok
     return parts
 
 
+_IMAGE_MARK = SpecialToken(-1, IMAGE, control=False)
+
+
 def chat_tokens(tokenizer: Tokenizer, parts: Sequence[Segment], *, first: bool,
                 images: Sequence[list[int]] = ()) -> list[int]:
     """Token ids of rendered chat text: split at the special tokens of the template's own text only,
     and the text between them (template text and caller content alike) tokenized in one piece
     without parsing special tokens. ``first``: the conversation is new, so BOS comes first when the
     model asks for it (once, also when the template wrote it). ``images``: the tokens of the
-    pictures that :data:`IMAGE` marks in the contents, in order."""
+    pictures that :data:`IMAGE` marks, in order."""
     template_text = "".join(p.text for p in parts if p.template)
     specials = [t for t in tokenizer.special_tokens() if t.control and t.text in template_text]
     fragments: list[str | SpecialToken] = []
-    image_mark = SpecialToken(-1, IMAGE, control=False)
     for part in parts:
-        for piece in _split(part.text, specials) if part.template else _split(part.text, [image_mark]):
+        pieces = _split(part.text, [*specials, _IMAGE_MARK] if part.template else [_IMAGE_MARK])
+        for piece in pieces:
             if isinstance(piece, str) and fragments and isinstance(fragments[-1], str):
                 fragments[-1] += piece
             else:
@@ -179,7 +149,7 @@ def chat_tokens(tokenizer: Tokenizer, parts: Sequence[Segment], *, first: bool,
     tokens: list[int] = []
     pictures = iter(images)
     for frag in fragments:
-        if frag is image_mark:
+        if frag is _IMAGE_MARK:
             tokens += next(pictures, [])
         elif isinstance(frag, SpecialToken):
             tokens.append(frag.id)
@@ -190,91 +160,203 @@ def chat_tokens(tokenizer: Tokenizer, parts: Sequence[Segment], *, first: bool,
     return tokens
 
 
-class ChatTemplate:
-    """Renders messages to text with the model's template.
+@dataclass(frozen=True)
+class Rendered:
+    """A request rendered: ``prompt`` is llama.cpp's text for it (what llama-server evaluates);
+    ``text`` and ``contents`` what aiollama tokenizes (the same text where no caller text holds
+    special-token text, else the protected rendering and the contents its placeholders stand
+    for); ``params`` what llama.cpp derived for the reply (its format and parser, the grammar of a
+    constrained call, the generation prompt, preserved tokens, thinking tags)."""
 
-    ``source`` is the Jinja template from the GGUF metadata (``tokenizer.chat_template``); it is
-    rendered in Jinja2's immutable sandbox with the variables Hugging Face passes. When there is
-    none, or it does not compile, or rendering fails for a reason other than the template refusing
-    the messages, ``builtin`` (llama.cpp's pattern-matched templates) renders instead.
+    prompt: str
+    text: str
+    contents: list[str]
+    params: dict[str, Any] = field(repr=False)
+    messages: list[dict[str, Any]] = field(repr=False)  # as rendered (tools described, where they are)
+    parse_tool_calls: bool = False
+    reasoning_format: str = "auto"
+    continuation: bool = False
+    described: tuple[dict[str, Any], ...] = ()  # tools described in a system message: calls are JSON
+    tool_choice: Any = "auto"
+
+    def parts(self, start: int = 0) -> list[Segment]:
+        """The segments of ``text[start:]``."""
+        return segments(self.text[start:], self.contents)
+
+    @property
+    def grammar(self) -> str | None:
+        """The GBNF grammar a required or named tool call is held to (llama.cpp's, which begins with
+        the generation prompt), or None."""
+        grammar = self.params.get("grammar")
+        return grammar if grammar and not self.params.get("grammar_lazy") else None
+
+    def parser_params(self) -> dict[str, Any]:
+        p = self.params
+        return {"format": p["format"], "parser": p["parser"], "generation_prompt": p["generation_prompt"],
+                "reasoning_format": self.reasoning_format, "parse_tool_calls": self.parse_tool_calls,
+                "is_continuation": self.continuation}
+
+
+class ChatTemplate:
+    """A model's chat template, rendered by llama.cpp (``layer``).
+
+    ``special_texts`` are the texts of the vocabulary's control tokens (caller text holding one is
+    protected); ``eog_texts`` those of the tokens that end a reply. ``reasoning`` is llama-server's
+    ``--reasoning``: "auto" thinks where the template has a thinking switch, "on" and "off" set it.
     """
 
-    def __init__(self, source: str | None, *, bos_token: str, eos_token: str,
-                 builtin: Callable[[list[dict[str, str]], bool], str], eog_texts: Sequence[str] = ()) -> None:
-        self.source = source
-        self.eog_texts = [t for t in eog_texts if t]  # texts of the tokens that end a reply
-        self._vars = {"bos_token": bos_token, "eos_token": eos_token}
-        self._builtin = builtin
-        self._jinja: Any = None
-        self.kind = "builtin"
-        if source:
-            try:
-                self._jinja = _compile(source)
-                self.kind = "jinja"
-            except Exception as exc:  # noqa: BLE001 - a template Jinja2 cannot compile: use the fallback
-                log.warning("the model's chat template does not compile (%r); using llama.cpp's built-in "
-                            "template", exc)
-                self._jinja = None
+    def __init__(self, layer: ChatLayer, *, special_texts: Sequence[str] = (), eog_texts: Sequence[str] = (),
+                 reasoning: str = "auto") -> None:
+        if reasoning not in REASONING_MODES:
+            raise InvalidRequestError(f"reasoning must be one of {', '.join(REASONING_MODES)}, got {reasoning!r}")
+        self.layer = layer
+        self.source = layer.source
+        self.eog_texts = [t for t in eog_texts if t]
+        self.reasoning = reasoning
+        texts = sorted({t for t in special_texts if t}, key=len, reverse=True)
+        self._special = re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, source: str | None = None, *, reasoning: str = "auto") -> ChatTemplate:
+        """The chat template of a model's tokenizer: its own, or the template text ``source``."""
+        texts = {t: tokenizer.token_text(t) for t in (tokenizer.eot, tokenizer.eos) if t >= 0}
+        return cls(tokenizer.chat_layer(source), special_texts=special_texts(tokenizer),
+                   eog_texts=[texts[t] for t in (tokenizer.eot, tokenizer.eos) if t in texts], reasoning=reasoning)
 
     @property
     def supports_tools(self) -> bool:
-        """Whether the template has a place for tools (else they are described in a system message)."""
-        return self._jinja is not None and self.source is not None and "tools" in self.source
+        """Whether the template has a place for tools (llama.cpp describes them otherwise)."""
+        return bool(self.layer.caps.get("supports_tools"))
+
+    @property
+    def supports_thinking(self) -> bool:
+        """Whether the template has a thinking switch (llama.cpp found a reasoning block in it)."""
+        return self.layer.supports_thinking
+
+    @property
+    def caps(self) -> dict[str, bool]:
+        return dict(self.layer.caps)
 
     def reads(self, name: str) -> bool:
         """Whether the model's own template reads the variable ``name``."""
-        return self._jinja is not None and self.source is not None and \
-            re.search(rf"\b{re.escape(name)}\b", self.source) is not None
+        return any(re.search(rf"\b{re.escape(name)}\b", src) for src in (self.source, self.layer.tool_use_source) if src)
+
+    def has_special_text(self, text: str) -> bool:
+        return self._special is not None and self._special.search(text) is not None
 
     def check_kwargs(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-        """``chat_template_kwargs`` as the template gets them: each must be a variable the model's
-        own template reads (``enable_thinking``, ``reasoning_effort``, ...), else ChatTemplateError,
-        so a control the template cannot honour is never silently dropped."""
+        """``chat_template_kwargs`` as the template gets them: each must be JSON and a variable the
+        model's own template reads (``reasoning_effort``...), else ChatTemplateError, so a control
+        the template cannot honour is never silently dropped. ``enable_thinking`` is llama.cpp's
+        own switch (a bool), taken by every template: one without a thinking block does not think
+        either way."""
         if not kwargs:
             return {}
         if not isinstance(kwargs, Mapping):
             raise ChatTemplateError("chat_template_kwargs must be a mapping of names to values")
-        for name in kwargs:
-            if not isinstance(name, str) or name in _RESERVED:
+        for name, value in kwargs.items():
+            if not isinstance(name, str) or name in _RESERVED_KWARGS:
                 raise ChatTemplateError(f"chat_template_kwargs cannot set {name!r}")
-            if not self.reads(name):
+            if name == "enable_thinking":  # llama.cpp's own switch: a model without one thinks not at all
+                if not isinstance(value, bool):
+                    raise ChatTemplateError("chat_template_kwargs: enable_thinking must be a bool")
+            elif not self.reads(name) and not (name == "reasoning_effort" and self.layer.caps.get(
+                    "supports_reasoning_effort")):
                 raise ChatTemplateError(f"the model's chat template does not read {name!r}, so it cannot be set")
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise ChatTemplateError(f"chat_template_kwargs: {name!r} must be a JSON value") from None
         return dict(kwargs)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-               tools: list[dict[str, Any]] | None = None, kwargs: Mapping[str, Any] | None = None) -> str:
-        extra = self.check_kwargs(kwargs)
-        if self._jinja is not None:
-            try:
-                if tools is not None:
-                    extra["tools"] = tools
-                return str(self._jinja.render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
-                                              **self._vars))
-            except _Refused as exc:
-                raise ChatTemplateError(f"the chat template refuses these messages: {exc}") from None
-            except Exception as exc:  # noqa: BLE001 - a template bug, not the caller's: fall back
-                log.warning("the model's chat template failed (%r); using llama.cpp's built-in template", exc)
-        return self._builtin([{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt)
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = "auto",
+               chat_template_kwargs: Mapping[str, Any] | None = None, reasoning_effort: str | None = None,
+               continue_final_message: bool = False, reasoning_format: str = "auto",
+               parallel_tool_calls: bool | None = None, describe_tools: bool = True) -> Rendered:
+        """Render ``messages`` (:func:`aiollama.formats.messages.normalize`'s) with ``tools`` (OpenAI function tools) and
+        ``tool_choice`` ("auto", "none", "required", or a named function, whose call llama.cpp's
+        grammar then constrains), the template's variables ``chat_template_kwargs`` and
+        ``reasoning_effort`` ("none" switches thinking off). ``continue_final_message``: the last message is the
+        assistant's, and the reply continues it. A template with no place for tools gets them
+        described in a system message (``describe_tools``: this is the conversation's first turn)
+        and earlier calls written as JSON, where llama.cpp would leave them out. Raises
+        ChatTemplateError for what the template refuses or cannot render, with llama.cpp's
+        reason."""
+        if reasoning_format not in REASONING_FORMATS:
+            raise InvalidRequestError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}")
+        extra: dict[str, Any] = {"preserve_reasoning": True}  # llama-server's default
+        enable_thinking = self.supports_thinking if self.reasoning == "auto" else self.reasoning == "on"
+        if self.reasoning != "auto":
+            extra["enable_thinking"] = enable_thinking
+        extra.update(self.check_kwargs(chat_template_kwargs))
+        if isinstance(extra.get("enable_thinking"), bool):
+            enable_thinking = extra["enable_thinking"]
+        if reasoning_effort is not None:
+            if reasoning_effort == "none":
+                enable_thinking = False
+                extra.pop("reasoning_effort", None)
+            elif not self.layer.caps.get("supports_reasoning_effort") and not self.reads("reasoning_effort"):
+                raise ChatTemplateError("the model's chat template reads no reasoning_effort, so it cannot be set")
+            else:
+                extra["reasoning_effort"] = reasoning_effort
+        names, choice = _tool_choice(tools, tool_choice)
+        described: tuple[dict[str, Any], ...] = ()
+        if tools and not self.supports_tools:  # llama.cpp would drop them: describe them instead
+            messages, described, tools = tools_as_text(messages, tools, first=describe_tools), tuple(map(dict, tools)), None
+        for text in template_texts(messages, tools):
+            if self.has_special_text(text):
+                raise ChatTemplateError(f"{text[:80]!r} holds special-token text (a role, a tool call or a tool)")
+        inputs: dict[str, Any] = {
+            "messages": messages, "add_generation_prompt": add_generation_prompt and not continue_final_message,
+            "continue_final_message": bool(continue_final_message), "reasoning_format": reasoning_format,
+            "enable_thinking": enable_thinking, "chat_template_kwargs": extra,
+            "tool_choice": "auto" if choice == "named" else choice,
+            "parallel_tool_calls": bool(self.layer.caps.get("supports_parallel_tool_calls"))
+            if parallel_tool_calls is None else bool(parallel_tool_calls)}
+        if tools:
+            inputs["tools"] = list(tools)
+        result = self.layer.apply(inputs)
+        params = result
+        if choice == "named" and tools:  # the prompt offers every tool; the grammar and parser take the named one
+            named = [t for t in tools or () if t["function"]["name"] == names[0]]
+            params = self.layer.apply({**inputs, "tools": named, "tool_choice": "required"})
+        text, contents = result["prompt"], []
+        if any(self.has_special_text(t) for t in caller_texts(messages)):
+            contents = caller_texts(messages)
+            text = self.layer.apply({**inputs, "messages": protect(messages)})["prompt"]
+        if choice == "required" and tools and not params.get("grammar"):
+            raise ChatTemplateError("llama.cpp has no tool-call format for this chat template, so a required "
+                                    "tool call cannot be constrained")
+        return Rendered(result["prompt"], text, contents, params, messages,
+                        parse_tool_calls=bool(tools or described) and choice != "none", reasoning_format=reasoning_format,
+                        continuation=bool(continue_final_message), described=described, tool_choice=tool_choice)
+
+    def parser(self, rendered: Rendered) -> ReplyParser:
+        return self.layer.parser(rendered.parser_params())
 
 
-_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
+_RESERVED_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
 
 
-class _Refused(Exception):
-    """The template called raise_exception()."""
+def _tool_choice(tools: Sequence[Mapping[str, Any]] | None, choice: Any) -> tuple[list[str], str]:
+    """The names of the tools and what ``tool_choice`` asks: "auto", "none", "required" or "named"
+    (the one name then first). InvalidRequestError for a choice that means nothing here."""
+    names = tool_names(tools) if tools else []
+    if choice is None or (isinstance(choice, str) and choice in TOOL_CHOICES):
+        if choice == "required" and not names:
+            raise InvalidRequestError("tool_choice 'required' needs tools")
+        return names, choice or "auto"
+    function = choice.get("function") if isinstance(choice, Mapping) else None
+    if isinstance(function, Mapping) and choice.get("type", "function") == "function":
+        name = function.get("name")
+        if name not in names:
+            raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools")
+        return [name, *(n for n in names if n != name)], "named"
+    raise InvalidRequestError(f"tool_choice must be 'auto', 'none', 'required' or "
+                              f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r:.80}")
 
 
-def _raise(message: str) -> None:
-    raise _Refused(message)
-
-
-def _compile(source: str) -> Any:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.filters["tojson"] = lambda value, indent=None, ensure_ascii=False: json.dumps(
-        value, indent=indent, ensure_ascii=ensure_ascii)
-    return env.from_string(source)
+def special_texts(tokenizer: Tokenizer) -> list[str]:
+    """The texts of a vocabulary's control tokens: caller text holding one is protected."""
+    return [t.text for t in tokenizer.special_tokens() if t.control]

@@ -51,12 +51,11 @@ class Tokenizer(Protocol):
         """Every special token, longest text first (the order the tokenizer splits them in)."""
         ...
 
-    def chat_template(self) -> str | None: ...
-
     def guidance(self) -> Any:
         """The vocabulary as llguidance's ``LLTokenizer`` (for constrained generation)."""
         ...
 
-    def builtin_chat(self, messages: list[dict[str, str]], template: str, add_assistant: bool) -> str:
-        """Render with llama.cpp's built-in templates; InvalidRequestError if it is not one."""
+    def chat_layer(self, source: str | None = None) -> Any:
+        """llama.cpp's chat templates of the model, or of the template text ``source``
+        (:class:`aiollama.formats.chat.ChatLayer`)."""
         ...

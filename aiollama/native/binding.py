@@ -93,7 +93,8 @@ def verify_declarations(ffi: Any, lib: Any) -> None:
 _OPAQUE = {"llama_vocab", "llama_model", "llama_context", "llama_sampler", "llama_adapter_lora", "llama_memory_i",
            "ggml_backend_device",
            "ggml_backend_reg", "ggml_backend_buffer_type",
-           "mtmd_context", "mtmd_bitmap", "mtmd_input_chunk", "mtmd_input_chunks", "mtmd_helper_video"}
+           "mtmd_context", "mtmd_bitmap", "mtmd_input_chunk", "mtmd_input_chunks", "mtmd_helper_video",
+           "aiollama_chat", "aiollama_chat_parser"}
 
 
 def _shutdown() -> None:

@@ -154,6 +154,18 @@ class SamplerChain(Handle):
         lib.llama_sampler_apply(self._grammar, arr)
         return bool(math.isfinite(arr.data[0].logit))
 
+    def prefill_grammar(self, tokens: Sequence[int]) -> None:
+        """Advance the chain's grammar over ``tokens`` (text its grammar begins with that is
+        already in the prompt), leaving the rest of the chain as it is. Raises GrammarError for a
+        token the grammar rejects."""
+        if self._grammar is None:
+            raise GrammarError("the chain has no grammar to prefill")
+        for token in tokens:
+            self.vocab.check_token(token)
+            if not self._grammar_allows(token):
+                raise GrammarError(f"the grammar does not begin with the text of token {token}")
+            lib.llama_sampler_accept(self._grammar, token)
+
     def accept(self, token: int) -> None:
         """Feed a token that was not sampled (a prompt token) to the chain's state.
 

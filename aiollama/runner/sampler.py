@@ -35,6 +35,8 @@ def build_chain(vocab: Vocab, params: SamplingParams, history: Sequence[int]) ->
             chain.add_logit_bias(params.logit_bias)
         if params.grammar is not None:
             chain.add_grammar(params.grammar)
+            if params.grammar_prefill:
+                chain.prefill_grammar(prefill_tokens(vocab, params.grammar_prefill))
         if params.greedy:
             chain.add_greedy()
             return chain
@@ -54,6 +56,21 @@ def build_chain(vocab: Vocab, params: SamplingParams, history: Sequence[int]) ->
         raise
 
 
+def prefill_tokens(vocab: Vocab, text: str) -> list[int]:
+    """The tokens of a generation prompt a grammar takes as already generated, as llama.cpp's
+    sampler feeds them: special tokens parsed, and a first token that is only the space some
+    tokenizers put before a special token left out."""
+    tokens = vocab.tokenize(text, parse_special=True)
+    if tokens and text[:1] and not text[0].isspace() and vocab.token_to_piece(tokens[0], special=True)[:1].isspace():
+        tokens = tokens[1:]
+    return tokens
+
+
+def single_tokens(vocab: Vocab, texts: Sequence[str]) -> frozenset[int]:
+    """The tokens of those texts that are one token each (special tokens parsed)."""
+    return frozenset(ids[0] for ids in (vocab.tokenize(text, parse_special=True) for text in texts) if len(ids) == 1)
+
+
 @dataclass(eq=False)
 class _Sampler:
     """How one stream chooses its tokens: its chain, and what needs the logits row first."""
@@ -68,6 +85,7 @@ class _Sampler:
     in_graph: bool = False  # the chain was attached for backend sampling once (it cannot be again)
     budget: reasoning.Budget | None = None  # the thinking budget, which may force tokens
     score_top: int = 0  # the alternatives each scored prompt token comes with
+    preserved: frozenset[int] = frozenset()  # marker tokens its text shows (its chat format's)
 
     @property
     def reads_row(self) -> bool:
@@ -125,11 +143,12 @@ class Sampling:
         self.guide_rows: dict[int, int] = {}  # conv -> the logits row of a guiding sequence in this step
         self._streams: dict[int, _Sampler] = {}
         self._masks: Masks | None = None
-        self._tokens: dict[int, tuple[bytes, bool]] = {}  # token -> (piece, is end of generation)
-        # the markers of thinking and tool calls show in the text even where they are control
-        # tokens (Kimi-K2's), as llama-server's preserved tokens do: the parsers read them there
-        self._preserved = {ids[0] for ids in (vocab.tokenize(text, parse_special=True) for text in PRESERVED)
-                           if len(ids) == 1}
+        # (token, shown as text) -> (piece, is end of generation)
+        self._tokens: dict[tuple[int, bool], tuple[bytes, bool]] = {}
+        # the markers of thinking and tool calls show in a plain prompt's text even where they are
+        # control tokens; a chat turn's stream shows its format's own (llama-server's preserved
+        # tokens), where its parser reads them
+        self._preserved = single_tokens(vocab, PRESERVED)
         self._backend = backend
         self._gpu_decodes = gpu_decodes
         # backend sampling: seq id -> the conversation whose chain runs in the decode graph for it
@@ -151,9 +170,11 @@ class Sampling:
         top = params.top_logprobs if params.logprobs else -1
         processors = params.logits_processors
         guide, scale = guidance if guidance is not None else (None, 1.0)
+        preserved = single_tokens(self.vocab, params.preserved_tokens)
         self._streams[conv] = _Sampler(build_chain(self.vocab, params, history), matcher, top, processors,
                                         list(history) if processors else None, guide, scale,
-                                        budget=self._budget(params, history), score_top=params.prompt_logprobs or 0)
+                                        budget=self._budget(params, history), score_top=params.prompt_logprobs or 0,
+                                        preserved=preserved or self._preserved)
 
     def _budget(self, params: SamplingParams, history: Sequence[int]) -> reasoning.Budget | None:
         if params.reasoning_budget is None:
@@ -310,10 +331,11 @@ class Sampling:
         if read is not None and sampler.top_logprobs >= 0:
             logits, lse, found = read
             logprob, top = float(logits[token]) - lse, tuple(found)  # a token the mask allowed kept its logit
-        known = self._tokens.get(token)
+        shown = token in sampler.preserved
+        known = self._tokens.get((token, shown))
         if known is None:  # a token's piece and end-of-generation flag, asked of llama.cpp once
-            known = self._tokens[token] = (self.vocab.token_to_piece(token, special=token in self._preserved),
-                                           self.vocab.is_eog(token))
+            known = self._tokens[token, shown] = (self.vocab.token_to_piece(token, special=shown),
+                                                  self.vocab.is_eog(token))
         if sampler.budget is not None:
             sampler.budget.took(known[0])
         return Sampled(conv, token, known[0], known[1], final, logprob, top)

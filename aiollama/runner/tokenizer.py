@@ -19,6 +19,7 @@ from aiollama.formats.media import has_images, text_only
 from aiollama.formats.tokens import SpecialToken
 from aiollama.native import Vocab
 from aiollama.native.binding import lib
+from aiollama.native.chat import ChatTemplates
 
 
 class VocabTokenizer:
@@ -93,10 +94,8 @@ class VocabTokenizer:
                     encode=lambda text: self.tokenize(text, add_special=False, special=False))
             return self._guidance
 
-    def chat_template(self) -> str | None:
-        with self._pinned() as vocab:
-            return vocab.chat_template()
-
-    def builtin_chat(self, messages: list[dict[str, str]], template: str, add_assistant: bool) -> str:
-        with self._pinned() as vocab:
-            return vocab.apply_chat_template(messages, template=template, add_assistant=add_assistant)
+    def chat_layer(self, source: str | None = None) -> ChatTemplates:
+        """llama.cpp's chat templates of the model (its own; ``source``: this template text instead,
+        seeing the model's BOS and EOS). Raises ChatTemplateError for a template llama.cpp cannot
+        read."""
+        return ChatTemplates(source, vocab=self._vocab)

@@ -20,13 +20,12 @@ from aiollama import Chunk, Conversation, Stream, TokenLogprob
 from aiollama.errors import (
     AiollamaError,
 )
-from aiollama.formats.toolcalls import call_schema, tool_schemas
 from aiollama.sampling import seed_for
 from aiollama.server.images import read_images
+from aiollama.server.chat_request import chat_request
 from aiollama.server.requests import (
     BadRequest,
     Request,
-    chat_request,
     completion_request,
     message_text,
 )
@@ -34,7 +33,7 @@ from aiollama.server.shape import ChatChoice, TextChoice, prompt_logprobs
 from aiollama.server.state import (
     State,
     check_prompt_size,
-    check_template_kwargs,
+    effort_of,
     lora_names,
     serving_engine,
     translate,
@@ -77,20 +76,14 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
     root = engine.conversation(cache_salt=req.cache_salt, lora=lora_names(engine, req.lora))
     convs = [root]
     echo: tuple[str, list[int]] | None = None
-    tools = req.tools if req.tool_choice != "none" else None
     try:
-        if tools:
-            names = tool_schemas(tools)
-            schema = call_schema(tools, req.tool_choice)
-            if schema is not None:
-                if "grammar" in req.params or "json_schema" in req.params:
-                    raise BadRequest("tool_choice 'required' or a named function constrains the output; give "
-                                     "no response_format, grammar or json_schema with it", param="tool_choice")
-                req.params["json_schema"] = schema
         if chat:
             assert req.messages is not None
-            check_template_kwargs(engine, req.template_kwargs)
-            n_prompt = root.append_chat(req.messages, tools=tools, chat_template_kwargs=req.template_kwargs)
+            if req.tool_choice not in (None, "auto", "none") and ("grammar" in req.params or "json_schema" in req.params):
+                raise BadRequest("tool_choice 'required' or a named function constrains the output; give "
+                                 "no response_format, grammar or json_schema with it", param="tool_choice")
+            effort_of(engine, req.reasoning_effort, "reasoning_effort")
+            n_prompt = root.append_chat(req.messages, **req.chat_options())
         else:
             tokens = engine.tokenize(req.prompt, add_special=True) if isinstance(req.prompt, str) else req.prompt
             assert tokens is not None
@@ -116,7 +109,7 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
         root.close_nowait()  # the forks hold what they need
     prefix = "chatcmpl-" if chat else "cmpl-"
     choices: list[ChatChoice | TextChoice] = [
-        ChatChoice(i, names if tools else [], engine.token_bytes, in_thinking=stream.in_thinking) if chat
+        ChatChoice(i, stream.reader, engine.token_bytes) if chat and stream.reader is not None
         else TextChoice(i, engine.token_bytes, echo=echo,
                         scored=_scored(stream) if req.params.get("logprobs") else None)
         for i, stream in enumerate(streams)]

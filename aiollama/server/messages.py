@@ -19,7 +19,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from aiollama import Engine, FinishReason, Stream
 from aiollama.errors import AiollamaError
-from aiollama.formats.toolcalls import tool_schemas
 from aiollama.server.generate import cancel_on_disconnect
 from aiollama.server.images import read_images
 from aiollama.server.messages_request import MessagesRequest, messages_request
@@ -28,7 +27,7 @@ from aiollama.server.shape import ChatChoice
 from aiollama.server.state import (
     State,
     check_prompt_size,
-    check_template_kwargs,
+    effort_of,
     serving_engine,
     translate,
 )
@@ -37,20 +36,23 @@ STOP_REASONS = {FinishReason.EOG: "end_turn", FinishReason.STOP: "stop_sequence"
                 FinishReason.CANCELLED: "end_turn"}
 
 
-def template_kwargs(engine: Engine, req: MessagesRequest) -> dict[str, Any]:
-    """``thinking`` as the template's ``enable_thinking``. Asking for no thinking from a template
-    that cannot be told is an error; asking for thinking from one that cannot is not: such a
-    model simply answers without a thinking block."""
-    kwargs: dict[str, Any] = {} if req.effort is None else {"reasoning_effort": req.effort}
-    check_template_kwargs(engine, kwargs, "output_config.effort")
-    if req.thinking is None:
-        return kwargs
-    if engine.chat_template_reads("enable_thinking"):
-        return {**kwargs, "enable_thinking": req.thinking}
-    if req.thinking is False:
-        raise BadRequest("this model's chat template has no switch for thinking ('enable_thinking'), so "
-                         "thinking cannot be disabled", param="thinking", code="unsupported_parameter")
-    return kwargs
+def chat_options(engine: Engine, req: MessagesRequest) -> dict[str, Any]:
+    """What ``append_chat`` takes for a Messages body: its tools, ``thinking`` as the template's
+    thinking switch, ``output_config.effort`` as its reasoning effort, and a final assistant
+    message continued (Anthropic's prefill). Asking for no thinking from a template that has no
+    switch is an error; asking for thinking from one that has none is not: such a model simply
+    answers without a thinking block."""
+    kwargs: dict[str, Any] = {}
+    if req.thinking is not None:
+        template = engine.chat_template
+        if template.supports_thinking or template.reads("enable_thinking"):
+            kwargs["enable_thinking"] = req.thinking
+        elif req.thinking is False:
+            raise BadRequest("this model's chat template has no switch for thinking, so thinking cannot be "
+                             "disabled", param="thinking", code="unsupported_parameter")
+    return {"tools": req.tools, "tool_choice": req.tool_choice, "chat_template_kwargs": kwargs,
+            "reasoning_effort": effort_of(engine, req.effort, "output_config.effort"),
+            "continue_final_message": req.continue_final}
 
 
 async def count_tokens(state: State, request: HttpRequest) -> Response:
@@ -58,19 +60,18 @@ async def count_tokens(state: State, request: HttpRequest) -> Response:
     req = messages_request(await state.guard.read_json(request), count_only=True)
     engine = serving_engine(state)
     check_prompt_size(state, engine, [message_text(m) for m in req.messages], engine.n_ctx)
-    tools = req.tools if req.tool_choice != "none" else None
+    options = chat_options(engine, req)
     if any(not isinstance(m.get("content"), str) for m in req.messages):  # pictures: count as a turn takes them
         await read_images(engine, req.messages, state.fetch_images)
         conv = engine.conversation()
         try:
-            return JSONResponse({"input_tokens": conv.append_chat(req.messages, tools=tools,
-                                                                  chat_template_kwargs=template_kwargs(engine, req))})
+            return JSONResponse({"input_tokens": conv.append_chat(req.messages, **options)})
         except AiollamaError as exc:
             raise translate(exc) from None
         finally:
             conv.close_nowait()
     try:
-        text = engine.render_chat(req.messages, tools=tools, chat_template_kwargs=template_kwargs(engine, req))
+        text = engine.render_chat(req.messages, **options)
     except AiollamaError as exc:
         raise translate(exc) from None
     tokens = await anyio.to_thread.run_sync(lambda: engine.tokenize(text, add_special=False, special=True))
@@ -121,8 +122,8 @@ class Reply:
         self.id = "msg_" + uuid.uuid4().hex
         self.model = state.name()
         self.input_tokens = input_tokens
-        self.choice = ChatChoice(0, tool_schemas(req.tools) if req.tools else [],
-                                 serving_engine(state).token_bytes, in_thinking=stream.in_thinking)
+        assert stream.reader is not None
+        self.choice = ChatChoice(0, stream.reader, serving_engine(state).token_bytes)
         self.generated = 0
         self.show_thinking = req.show_thinking
 
@@ -168,8 +169,7 @@ def _start(state: State, req: MessagesRequest) -> Reply:
     check_prompt_size(state, engine, [message_text(m) for m in req.messages], engine.n_ctx)
     conv = engine.conversation()
     try:
-        stream = conv.chat(req.messages, tools=req.tools, tool_choice=req.tool_choice,
-                           chat_template_kwargs=template_kwargs(engine, req), **state.params(req.params))
+        stream = conv.chat(req.messages, **chat_options(engine, req), **state.params(req.params))
     except BaseException as exc:
         conv.close_nowait()
         if isinstance(exc, AiollamaError):
@@ -209,10 +209,12 @@ async def _events(reply: Reply, release: Callable[[], None]) -> AsyncIterator[st
                     out += switch("text", {"type": "text", "text": ""})
                 out.append(_event("content_block_delta", index=index, delta={"type": "text_delta", "text": piece}))
             for call in delta["delta"].get("tool_calls") or []:
-                block = tool_use(call)
-                out += switch("tool_use", {**block, "input": {}})
-                out.append(_event("content_block_delta", index=index, delta={
-                    "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}))
+                if "id" in call:  # a call begins: its id and name, then its arguments as they come
+                    out += switch("tool_use", {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+                                               "name": call["function"]["name"], "input": {}})
+                elif call["function"]["arguments"]:
+                    out.append(_event("content_block_delta", index=index, delta={
+                        "type": "input_json_delta", "partial_json": call["function"]["arguments"]}))
         return out
 
     try:

@@ -44,6 +44,7 @@ class MessagesRequest:
     thinking: bool | None = None  # None: as the template does by default
     show_thinking: bool = True  # False: thinking blocks come back empty (display "omitted")
     effort: str | None = None  # for a template that reads ``reasoning_effort``
+    continue_final: bool = False  # the last message is the assistant's: the reply continues it (prefill)
 
 
 def messages_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
@@ -59,8 +60,10 @@ def messages_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
     cache = body.get("cache_control")
     if cache is not None and (not isinstance(cache, dict) or cache.get("type") != "ephemeral"):
         raise BadRequest("cache_control must be {'type': 'ephemeral'}", param="cache_control")
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     if count_only:
-        return MessagesRequest(messages, tools=tools, tool_choice=choice, thinking=thinking, effort=effort)
+        return MessagesRequest(messages, tools=tools, tool_choice=choice, thinking=thinking, effort=effort,
+                               continue_final=prefill)
     if body.get("speed", "standard") not in ("standard", None):
         raise BadRequest("'speed' 'fast' is not offered by this server", param="speed", code="unsupported_parameter")
     max_tokens = body.get("max_tokens")
@@ -85,7 +88,7 @@ def messages_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
     if schema is not None:
         chat_body["json_schema"] = schema
     common = common_request(chat_body, default_max_tokens=None)
-    return MessagesRequest(messages, common.params, common.stream, tools, choice, thinking, show, effort)
+    return MessagesRequest(messages, common.params, common.stream, tools, choice, thinking, show, effort, prefill)
 
 
 def _text_blocks(value: Any, where: str) -> str:

@@ -7,8 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiollama.errors import InvalidRequestError
-from aiollama.formats.toolcalls import tool_names
 from aiollama.sampling import wrap_seed
 
 MAX_N = 16
@@ -41,10 +39,21 @@ class Request:
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = "auto"
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
+    reasoning_effort: str | None = None
+    reasoning_format: str = "auto"
+    parallel_tool_calls: bool | None = None
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
     cache_salt: str | None = None  # shares cached cells only with requests of the same salt
     echo: bool = False  # legacy completions: the prompt comes back before the completion
     prompt_logprobs: int | None = None  # vLLM's: the prompt's tokens scored, in the response
     lora: list[tuple[str | int, float]] = field(default_factory=list)  # adapters by name or index, scales
+
+    def chat_options(self) -> dict[str, Any]:
+        """What ``Conversation.append_chat`` takes besides the messages."""
+        return {"tools": self.tools, "tool_choice": self.tool_choice, "chat_template_kwargs": self.template_kwargs,
+                "reasoning_effort": self.reasoning_effort, "reasoning_format": self.reasoning_format,
+                "parallel_tool_calls": self.parallel_tool_calls,
+                "continue_final_message": self.continue_final_message}
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -57,7 +66,7 @@ def _number(body: dict[str, Any], name: str, low: float, high: float) -> float |
     return float(value)
 
 
-def _integer(body: dict[str, Any], name: str, low: int, high: int | None = None) -> int | None:
+def integer_field(body: dict[str, Any], name: str, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -69,9 +78,9 @@ def _integer(body: dict[str, Any], name: str, low: int, high: int | None = None)
 
 def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
     params: dict[str, Any] = {}
-    max_tokens = _integer(body, "max_completion_tokens", 1)
+    max_tokens = integer_field(body, "max_completion_tokens", 1)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1)
+        max_tokens = integer_field(body, "max_tokens", 1)
     if max_tokens is None:
         max_tokens = default_max_tokens
     if max_tokens is not None:
@@ -88,7 +97,7 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
         if value is not None:
             params[name] = value
     # llama-server's extensions
-    top_k = _integer(body, "top_k", 0)
+    top_k = integer_field(body, "top_k", 0)
     if top_k is not None:
         params["top_k"] = top_k
     min_p = _number(body, "min_p", 0.0, 1.0)
@@ -112,7 +121,7 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
             if "grammar" in params or "json_schema" in params:
                 raise BadRequest("give either response_format or grammar/json_schema", param="response_format")
             params["json_schema"] = schema
-    seed = _integer(body, "seed", -(2**63))
+    seed = integer_field(body, "seed", -(2**63))
     if seed is not None:
         params["seed"] = wrap_seed(seed)
     stop = body.get("stop")
@@ -123,10 +132,10 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
                              param="stop")
         if stops:
             params["stop"] = stops
-    priority = _integer(body, "priority", -(2**31), 2**31 - 1)  # vLLM's extension: lower values first
+    priority = integer_field(body, "priority", -(2**31), 2**31 - 1)  # vLLM's extension: lower values first
     if priority is not None:
         params["priority"] = priority
-    budget = _integer(body, "reasoning_budget", 0)  # tokens of thinking before the engine closes the block
+    budget = integer_field(body, "reasoning_budget", 0)  # tokens of thinking before the engine closes the block
     if budget is not None:
         params["reasoning_budget"] = budget
     message = body.get("reasoning_budget_message")
@@ -174,7 +183,10 @@ COMMON_FIELDS = frozenset({
 })
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-                               "chat_template_kwargs", "reasoning_effort"}
+                               "chat_template_kwargs", "reasoning_effort", "reasoning_format", "continue_final_message",
+                               "add_generation_prompt"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 MAX_TOOLS = 128
 
@@ -209,7 +221,7 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
     if (body.get("best_of") or 1) != 1:
         raise BadRequest("'best_of' is not supported by this server; use 'n'", param="best_of",
                          code="unsupported_parameter")
-    n = _integer(body, "n", 1, MAX_N)
+    n = integer_field(body, "n", 1, MAX_N)
     for flag in ("ignore_eos", "cache_prompt"):  # llama-server's; every prompt is cached here anyway
         if not isinstance(body.get(flag, False), bool):
             raise BadRequest(f"'{flag}' must be a boolean", param=flag)
@@ -227,7 +239,7 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
-    scored = _integer(body, "prompt_logprobs", 0, 20)
+    scored = integer_field(body, "prompt_logprobs", 0, 20)
     if scored is not None:
         params["prompt_logprobs"] = scored
     return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")), params=params,
@@ -255,7 +267,7 @@ def completion_request(body: Any) -> Request:
     """``/v1/completions``: ``prompt`` is a string or a list of token ids."""
     body = json_object(body, COMPLETION_FIELDS)
     request = common_request(body, default_max_tokens=16)  # OpenAI's default for completions
-    logprobs = _integer(body, "logprobs", 0, 20)  # the legacy API: how many alternatives
+    logprobs = integer_field(body, "logprobs", 0, 20)  # the legacy API: how many alternatives
     if logprobs is not None:
         request.params.update(logprobs=True, top_logprobs=logprobs)
     echo = body.get("echo", False)
@@ -277,105 +289,17 @@ def completion_request(body: Any) -> Request:
     return request
 
 
-def chat_request(body: Any) -> Request:
-    """``/v1/chat/completions``: ``messages`` with string content, or text parts."""
-    body = json_object(body, CHAT_FIELDS)
-    request = common_request(body, default_max_tokens=None)  # until the model ends its turn
-    if body.get("parallel_tool_calls", True) is not True:
-        raise BadRequest("'parallel_tool_calls' false is not supported: a reply may make several calls",
-                         param="parallel_tool_calls", code="unsupported_parameter")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise BadRequest("'logprobs' must be a boolean", param="logprobs")
-    top = _integer(body, "top_logprobs", 0, 20)
-    if top is not None and not logprobs:
-        raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    if logprobs:
-        request.params.update(logprobs=True, top_logprobs=top or 0)
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise BadRequest("'tools' must be a list of tool objects", param="tools")
-        if len(tools) > MAX_TOOLS:
-            raise BadRequest(f"at most {MAX_TOOLS} tools", param="tools")
-        try:
-            tool_names(tools)
-        except InvalidRequestError as exc:
-            raise BadRequest(str(exc), param="tools") from None
-        request.tools = tools or None
-    if "tool_choice" in body:
-        request.tool_choice = body["tool_choice"]
-    request.template_kwargs = template_kwargs(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
-        content = message.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image_url", ...}]
-            content = _parts(content, f"messages[{i}].content")
-        if content is None:
-            content = ""
-        if not isinstance(content, (str, list)):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content")
-        item = {"role": message["role"], "content": content}
-        for key in ("tool_calls", "tool_call_id", "name"):
-            if message.get(key) is not None:
-                item[key] = message[key]
-        out.append(item)
-    request.messages = out
-    return request
-
-
-def _parts(content: list[Any], where: str) -> str | list[dict[str, Any]]:
-    """A content list: its text, or (with pictures) the parts, each image_url's URL checked."""
-    for j, p in enumerate(content):
-        if not isinstance(p, dict) or p.get("type") not in ("text", "image_url"):
-            raise BadRequest(f"{where}[{j}]: a part is text or image_url", param=f"{where}[{j}]")
-        if p["type"] == "text" and not isinstance(p.get("text"), str):
-            raise BadRequest(f"{where}[{j}].text must be a string", param=f"{where}[{j}]")
-        if p["type"] == "image_url":
-            url = p.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
-                raise BadRequest(f"{where}[{j}].image_url.url must be a data:, http: or https: URL",
-                                 param=f"{where}[{j}].image_url")
-            content[j] = {"type": "image_url", "image_url": {"url": url}}
-    if all(p["type"] == "text" for p in content):
-        return "".join(p["text"] for p in content)
-    return content
-
-
 def message_text(message: dict[str, Any]) -> str:
     """The text of a message's content (without its pictures)."""
     content = message.get("content") or ""
     return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
-def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    """``chat_template_kwargs``, with ``reasoning_effort`` among them: variables for the model's
-    template, which must read each of them (else the request fails, never ignoring a control)."""
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in ("minimal", "low", "medium", "high"):
-            raise BadRequest("'reasoning_effort' must be 'minimal', 'low', 'medium' or 'high'",
-                             param="reasoning_effort")
-        kwargs = {**kwargs, "reasoning_effort": effort}
-    return dict(kwargs)
-
-
 def embeddings_request(body: Any) -> tuple[Any, str]:
     """``/v1/embeddings``: the texts (or token id lists) and the encoding asked for."""
     body = json_object(body, EMBEDDING_FIELDS)
     value = body.get("input")
-    if isinstance(value, str):
-        value = [value]
-    elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, str) or isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         value = [value]
     ok = isinstance(value, list) and bool(value) and (
         all(isinstance(t, str) and t for t in value)

@@ -22,7 +22,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from aiollama import Chunk, Conversation, FinishReason, Stream
 from aiollama.errors import AiollamaError
-from aiollama.formats.toolcalls import tool_schemas
 from aiollama.server.generate import cancel_on_disconnect
 from aiollama.server.images import read_images
 from aiollama.server.requests import BadRequest, message_text
@@ -31,7 +30,7 @@ from aiollama.server.shape import ChatChoice
 from aiollama.server.state import (
     State,
     check_prompt_size,
-    check_template_kwargs,
+    effort_of,
     serving_engine,
     translate,
 )
@@ -98,8 +97,8 @@ class Turn:
         self.created = int(time.time())
         self.model = state.name()
         self.input_tokens = input_tokens
-        self.choice = ChatChoice(0, tool_schemas(req.tools) if req.tools else [],
-                                 serving_engine(state).token_bytes, in_thinking=stream.in_thinking)
+        assert stream.reader is not None
+        self.choice = ChatChoice(0, stream.reader, serving_engine(state).token_bytes)
         self.response: dict[str, Any] | None = None
         self.generated = 0
 
@@ -164,9 +163,9 @@ def _start(state: State, req: ResponsesRequest) -> Turn:
     else:
         conv = engine.conversation()
     try:
-        check_template_kwargs(engine, req.template_kwargs, "reasoning.effort")
         stream = conv.chat(messages, tools=req.tools, tool_choice=req.tool_choice,
-                           chat_template_kwargs=req.template_kwargs, **state.params(req.params))
+                           reasoning_effort=effort_of(engine, req.reasoning_effort, "reasoning.effort"),
+                           **state.params(req.params))
     except BaseException as exc:
         conv.close_nowait()
         if isinstance(exc, AiollamaError):

@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiollama.server.requests import BadRequest, common_request, json_object, tool_list
+from aiollama.server.requests import (
+    REASONING_EFFORTS,
+    BadRequest,
+    common_request,
+    json_object,
+    tool_list,
+)
 
 RESPONSE_FIELDS = frozenset({
     "model", "input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
@@ -32,7 +38,7 @@ class ResponsesRequest:
     tools: list[dict[str, Any]] | None = None  # in the chat shape
     tool_choice: Any = "auto"
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # ``reasoning.effort``, for the template
+    reasoning_effort: str | None = None  # ``reasoning.effort``, for a template that reads one
 
 
 def responses_request(body: Any) -> ResponsesRequest:
@@ -78,7 +84,7 @@ def responses_request(body: Any) -> ResponsesRequest:
             "store": store, "previous_response_id": previous, "parallel_tool_calls": True,
             "reasoning": {"effort": effort, "summary": None}}
     return ResponsesRequest(messages, common.params, previous, instructions, store, common.stream, tools, choice, echo,
-                            {"reasoning_effort": effort} if effort is not None else {})
+                            effort)
 
 
 def _effort(value: Any) -> str | None:
@@ -91,8 +97,8 @@ def _effort(value: Any) -> str | None:
         raise BadRequest("reasoning summaries are not made by this server; the reasoning comes whole",
                          param="reasoning.summary", code="unsupported_parameter")
     effort = value.get("effort")
-    if effort is not None and effort not in ("minimal", "low", "medium", "high"):
-        raise BadRequest("reasoning.effort must be 'minimal', 'low', 'medium' or 'high'", param="reasoning.effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise BadRequest(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}", param="reasoning.effort")
     return effort
 
 

@@ -3,13 +3,11 @@ log-probabilities, for chat and for the legacy completions API."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 from aiollama import Chunk, FinishReason
-from aiollama.formats import reasoning
-from aiollama.formats.text import partial_tail
-from aiollama.formats.toolcalls import ToolCall, held_from, might_be_call, parse
+from aiollama.formats.reply import ReplyDelta, ReplyReader
 
 FINISH = {FinishReason.EOG: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
           FinishReason.CANCELLED: "stop"}
@@ -59,46 +57,40 @@ def prompt_logprobs(scored: list[Any], token_bytes: TokenBytes, k: int) -> list[
     return out
 
 
+def chat_delta(delta: ReplyDelta) -> dict[str, Any]:
+    """A reply delta as OpenAI's chat delta: a tool call's id and name first, then its arguments."""
+    if delta.reasoning:
+        return {"reasoning_content": delta.reasoning}
+    if delta.content:
+        return {"content": delta.content}
+    calls = []
+    for call in delta.calls:
+        entry: dict[str, Any] = {"index": call.index}
+        if call.name:
+            entry.update({"id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}})
+        else:
+            entry["function"] = {"arguments": call.arguments}
+        calls.append(entry)
+    return {"tool_calls": calls}
+
+
 class ChatChoice:
-    """One chat choice as it streams: text between thinking markers goes to ``reasoning_content``;
-    when tools are offered, text that may be a tool call is held back until the end, where it
-    becomes ``tool_calls`` (finish reason "tool_calls") or content after all."""
+    """One chat choice as it streams, read in its model's format (``reader``, the stream's):
+    reasoning goes to ``reasoning_content``, tool calls to ``tool_calls`` (finish reason
+    "tool_calls"), the rest to ``content``; no marker text reaches the content."""
 
-    def __init__(self, index: int, tool_names: Collection[str], token_bytes: TokenBytes, *, in_thinking: bool = False) -> None:
+    def __init__(self, index: int, reader: ReplyReader, token_bytes: TokenBytes) -> None:
         self.index = index
-        self.tool_names = tool_names
-        self.in_thinking = in_thinking  # the prompt opened a thinking block
+        self.reader = reader
         self.token_bytes = token_bytes
-        self.raw = ""
-        self.sent_reasoning = 0
-        self.sent_content = 0
         self.logprobs: list[dict[str, Any]] = []
-        self.reasoning_tokens = 0  # tokens of chunks that thought (or closed the thinking)
-        self._thought = 0
-
-    def _parts(self) -> tuple[str, str, bool]:
-        """(reasoning, content, reasoning still open or too early to tell) of the text so far."""
-        return reasoning.parts(self.raw, inside=self.in_thinking)
+        self.reasoning_tokens = 0  # tokens of chunks that thought
 
     def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
         """The deltas to send now for a chunk."""
-        self.raw += chunk.text
-        out: list[dict[str, Any]] = []
-        thought, content, open_ = self._parts()
-        if (open_ and thought) or len(thought) > self._thought:
+        deltas = [self.delta(chat_delta(d)) for d in self.reader.feed(chunk.text)]
+        if any("reasoning_content" in d["delta"] for d in deltas):
             self.reasoning_tokens += len(chunk.tokens)
-        self._thought = len(thought)
-        if open_:  # hold back what could be the start of the closing marker
-            thought = thought[:len(thought) - partial_tail(thought, (reasoning.END,))]
-        if len(thought) > self.sent_reasoning:
-            out.append({"reasoning_content": thought[self.sent_reasoning:]})
-            self.sent_reasoning = len(thought)
-        if not open_ and self.tool_names:  # text before a call streams; the call waits for the end
-            content = "" if might_be_call(content) else content[:held_from(content)]
-        if not open_ and len(content) > self.sent_content:
-            out.append({"content": content[self.sent_content:]})
-            self.sent_content = len(content)
-        deltas = [self.delta(part) for part in out]
         if chunk.logprobs:
             entries = chat_logprobs(chunk.logprobs, self.token_bytes)
             self.logprobs += entries
@@ -108,38 +100,25 @@ class ChatChoice:
         return deltas
 
     def finish(self, reason: FinishReason | None) -> list[dict[str, Any]]:
-        """The last deltas: what was held back, tool calls, and the finish reason."""
-        thought, content, _ = self._parts()
-        calls = self.calls(content)
-        out = []
-        if len(thought) > self.sent_reasoning:
-            out.append(self.delta({"reasoning_content": thought[self.sent_reasoning:]}))
-        if calls:
-            before = parse(content, self.tool_names)[0]
-            if len(before) > self.sent_content:
-                out.append(self.delta({"content": before[self.sent_content:]}))
-            out.append(self.delta({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]}))
-        elif len(content) > self.sent_content:
-            out.append(self.delta({"content": content[self.sent_content:]}))
-        out.append(self.delta({}, "tool_calls" if calls else FINISH.get(reason or FinishReason.EOG, "stop")))
-        return out
+        """The last deltas: what was held back, and the finish reason."""
+        out = [self.delta(chat_delta(d)) for d in self.reader.finish()]
+        return out + [self.delta({}, self.finish_reason(reason))]
 
-    def calls(self, content: str) -> list[ToolCall]:
-        return parse(content, self.tool_names)[1] if self.tool_names else []
+    def finish_reason(self, reason: FinishReason | None) -> str:
+        return "tool_calls" if self.reader.message.tool_calls else FINISH.get(reason or FinishReason.EOG, "stop")
 
     def message(self, reason: FinishReason | None) -> dict[str, Any]:
         """The whole choice, for a response that does not stream."""
-        thought, content, _ = self._parts()
-        calls = self.calls(content)
-        message: dict[str, Any] = {"role": "assistant", "content": None if calls else content}
-        if calls:
-            message["content"] = parse(content, self.tool_names)[0] or None
-            message["tool_calls"] = [c.openai() for c in calls]
-        if thought:
-            message["reasoning_content"] = thought
+        self.reader.finish()
+        reply = self.reader.message
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if reply.tool_calls else "")}
+        if reply.tool_calls:
+            message["tool_calls"] = [c.openai() for c in reply.tool_calls]
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
         return {"index": self.index, "message": message,
                 "logprobs": {"content": self.logprobs} if self.logprobs else None,
-                "finish_reason": "tool_calls" if calls else FINISH.get(reason or FinishReason.EOG, "stop")}
+                "finish_reason": self.finish_reason(reason)}
 
     def delta(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": finish}

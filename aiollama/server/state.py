@@ -76,14 +76,17 @@ def check_prompt_size(state: State, engine: Engine, texts: Iterable[str], room: 
                          code="context_length_exceeded")
 
 
-def check_template_kwargs(engine: Engine, kwargs: dict[str, Any], effort: str = "reasoning_effort") -> None:
-    """A 400 naming the field for a template variable the model's template does not read: the
-    control would be silently lost. ``effort``: the request's field for ``reasoning_effort``."""
-    for name in kwargs:
-        if not engine.chat_template_reads(name):
-            param = effort if name == "reasoning_effort" else "chat_template_kwargs"
-            raise BadRequest(f"this model's chat template does not read {name!r}, so it cannot be honoured",
-                             param=param, code="unsupported_parameter")
+def effort_of(engine: Engine, effort: str | None, param: str) -> str | None:
+    """A reasoning effort the model's template can honour: a 400 naming ``param`` for one it
+    cannot (its template reads no effort), never a control silently lost. "none" is always
+    honoured: it switches thinking off, or there is none."""
+    if effort is None or effort == "none":
+        return effort
+    template = engine.chat_template
+    if not template.caps.get("supports_reasoning_effort") and not template.reads("reasoning_effort"):
+        raise BadRequest("this model's chat template reads no reasoning_effort, so it cannot be honoured",
+                         param=param, code="unsupported_parameter")
+    return effort
 
 
 def lora_names(engine: Engine, chosen: list[tuple[str | int, float]]) -> dict[str, float]:

@@ -13,7 +13,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from aiollama.errors import AiollamaError
-from aiollama.server.requests import BadRequest, chat_request, json_object
+from aiollama.server.chat_request import chat_request
+from aiollama.server.requests import BadRequest, json_object
 from aiollama.server.state import State, serving_engine, translate
 
 
@@ -60,15 +61,19 @@ async def detokenize(state: State, request: HttpRequest) -> Response:
 
 
 async def apply_template(state: State, request: HttpRequest) -> Response:
-    """``{"messages", "tools"}`` -> ``{"prompt": text}``: what a chat request would evaluate."""
+    """A chat body (``messages``, ``tools``, the template's switches, ``add_generation_prompt``,
+    ``continue_final_message``) -> ``{"prompt": text}``: what a chat request would evaluate."""
     body = await state.guard.read_json(request)
-    json_object(body, frozenset({"messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort"}))
+    json_object(body, frozenset({"messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort",
+                                 "reasoning_format", "parallel_tool_calls", "add_generation_prompt",
+                                 "continue_final_message"}))
     req = chat_request(body)
     engine = serving_engine(state)
     assert req.messages is not None
+    options = req.chat_options()
     try:
-        prompt = engine.render_chat(req.messages, tools=req.tools if req.tool_choice != "none" else None,
-                                    chat_template_kwargs=req.template_kwargs)
+        prompt = engine.render_chat(req.messages, add_generation_prompt=body.get("add_generation_prompt", True),
+                                    **options)
     except AiollamaError as exc:
         raise translate(exc) from None
     return JSONResponse({"prompt": prompt})

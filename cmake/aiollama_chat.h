@@ -1,0 +1,61 @@
+/* llama.cpp's chat layer (common/chat.h) behind a small C interface: JSON in, JSON out.
+ *
+ * Templates are rendered by llama.cpp's own Jinja engine with llama-server's request handling, and
+ * replies are parsed by its own parsers (the per-family ones and the automatic one), so a model's
+ * prompt, tool calls and reasoning come out as llama-server's do.
+ *
+ * Every char * these functions return belongs to the caller, who frees it with
+ * aiollama_chat_string_free. A function that fails returns NULL (or nothing) and, where it takes
+ * an error pointer, sets *error to a message the caller frees the same way. No C++ exception
+ * leaves these functions.
+ */
+
+#ifndef AIOLLAMA_CHAT_H
+#define AIOLLAMA_CHAT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct llama_model;
+struct aiollama_chat;
+struct aiollama_chat_parser;
+
+/* The chat templates of a model (source NULL or empty: the GGUF's own, "tool_use" variant
+ * included), or of the template text in source (model may then be NULL; bos_token and eos_token
+ * are the texts it sees). */
+struct aiollama_chat * aiollama_chat_init(const struct llama_model * model, const char * source,
+                                          const char * bos_token, const char * eos_token, char ** error);
+void aiollama_chat_free(struct aiollama_chat * chat);
+
+/* {"source", "tool_use_source", "explicit", "caps": {...}, "supports_thinking"}. */
+char * aiollama_chat_describe(const struct aiollama_chat * chat, char ** error);
+
+/* Renders a request: inputs is {"messages", "tools", "tool_choice", "json_schema", "grammar",
+ * "add_generation_prompt", "continue_final_message", "parallel_tool_calls", "reasoning_format",
+ * "enable_thinking", "chat_template_kwargs", "now"}, with messages and tools in OpenAI's shapes.
+ * Returns {"prompt", "format", "grammar", "grammar_lazy", "grammar_triggers", "preserved_tokens",
+ * "additional_stops", "generation_prompt", "supports_thinking", "thinking_start_tag",
+ * "thinking_end_tags", "parser"}. */
+char * aiollama_chat_apply(const struct aiollama_chat * chat, const char * inputs, char ** error);
+
+/* A parser of replies: params is {"format", "parser", "generation_prompt", "reasoning_format",
+ * "reasoning_in_content", "parse_tool_calls", "is_continuation"}, from a rendering's result. */
+struct aiollama_chat_parser * aiollama_chat_parser_init(const char * params, char ** error);
+void aiollama_chat_parser_free(struct aiollama_chat_parser * parser);
+
+/* The message in a reply's text so far (partial: more may follow):
+ * {"content", "reasoning_content", "tool_calls": [{"name", "arguments", "id"}]}. */
+char * aiollama_chat_parse(const struct aiollama_chat_parser * parser, const char * text, size_t n_text,
+                           bool partial, char ** error);
+
+void aiollama_chat_string_free(char * text);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,147 @@
+"""Every model's own format, against llama.cpp's own artifacts: each vendor template of the pinned
+tree rendered as llama-server renders it, and each case of llama.cpp's chat-parser tests parsed
+(whole and streamed) to the message llama.cpp expects."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chat_cases import CONVERSATIONS, llama_cpp_dir, load, same_day
+
+from aiollama import ChatTemplateError, InvalidRequestError
+from aiollama.formats.chat import ChatTemplate
+from aiollama.formats.messages import normalize
+from aiollama.formats.reply import ReplyReader
+from aiollama.native import Model
+from aiollama.native.chat import ChatTemplates
+from aiollama.runner.tokenizer import VocabTokenizer
+
+GOLDENS = load("goldens.json")
+PARSE_CASES = load("parse_cases.json")
+
+# Where aiollama renders otherwise than llama-server, on purpose (docs/chat-formats.md says why):
+# a template with no place for tools gets them described in a system message, where llama-server
+# leaves them out of the prompt without a word.
+DESCRIBED = "You can call these tools:"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_path: Path) -> Any:
+    model = Model(tiny_path, vocab_only=True)
+    yield VocabTokenizer(model.vocab)
+    model.close()
+
+
+def render(template: ChatTemplate, body: dict[str, Any]) -> str:
+    return template.render(normalize(body["messages"]), tools=body.get("tools"),
+                           chat_template_kwargs=body.get("chat_template_kwargs")).prompt
+
+
+CASES = [(name, case) for name in sorted(GOLDENS["templates"]) for case in CONVERSATIONS]
+
+
+@pytest.mark.parametrize(("name", "case"), CASES, ids=[f"{n}-{c}" for n, c in CASES])
+def test_every_template_renders_as_llama_server(tokenizer: Any, name: str, case: str) -> None:
+    golden = GOLDENS["templates"][name][case]
+    source = (llama_cpp_dir() / "models" / "templates" / f"{name}.jinja").read_text(encoding="utf-8")
+    body = CONVERSATIONS[case]
+    why = ""
+    try:
+        template = ChatTemplate.of(tokenizer, source)
+        prompt: str | None = render(template, body)
+    except (ChatTemplateError, InvalidRequestError) as exc:
+        prompt, why = None, str(exc)
+    if "prompt" not in golden:  # llama-server refused it: so does aiollama, with a typed error
+        assert prompt is None, f"llama-server refused ({golden['error']}), aiollama rendered"
+        return
+    expected = same_day(golden["prompt"], datetime.date.fromisoformat(GOLDENS["date"]), datetime.date.today())
+    assert prompt is not None, why
+    if body.get("tools") and not template.supports_tools:
+        assert DESCRIBED in prompt and DESCRIBED not in expected
+        return
+    assert prompt == expected
+
+
+def test_the_goldens_cover_every_template() -> None:
+    names = {p.stem for p in (llama_cpp_dir() / "models" / "templates").glob("*.jinja")}
+    assert names == set(GOLDENS["templates"])
+    rendered = sum("prompt" in c for t in GOLDENS["templates"].values() for c in t.values())
+    assert rendered > 0.8 * len(names) * len(CONVERSATIONS)
+
+
+def _templates(name: str) -> ChatTemplates:
+    source = (llama_cpp_dir() / "models" / "templates" / name).read_text(encoding="utf-8")
+    return ChatTemplates(source)  # as llama.cpp's test reads them: no model, no BOS or EOS text
+
+
+def _inputs(case: dict[str, Any]) -> dict[str, Any]:
+    keys = ("messages", "tools", "tool_choice", "parallel_tool_calls", "reasoning_format", "enable_thinking",
+            "add_generation_prompt", "continue_final_message", "json_schema", "chat_template_kwargs")
+    return {k: case[k] for k in keys if k in case}
+
+
+def _same(expected: dict[str, Any], got: Any, *, ids: bool = True) -> None:
+    """As llama.cpp's test compares: text stripped, arguments as JSON, ids where one is expected
+    (a streamed call's id is the one it went out with, as llama-server's: a format that writes the
+    id after the arguments has it only in the whole reply)."""
+    assert got.content.strip() == expected["content"].strip()
+    assert got.reasoning.strip() == expected["reasoning_content"].strip()
+    assert len(got.tool_calls) == len(expected["tool_calls"])
+    for call, want in zip(got.tool_calls, expected["tool_calls"]):
+        assert call.name == want["name"]
+        assert _args(call.arguments) == _args(want["arguments"])
+        if want["id"] and ids:
+            assert call.id == want["id"]
+
+
+def _args(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None  # partial arguments are not compared
+
+
+PARSE_IDS = [f"{i}-{c['template']}" for i, c in enumerate(PARSE_CASES)]
+
+
+@pytest.mark.parametrize("case", PARSE_CASES, ids=PARSE_IDS)
+def test_llama_cpp_parse_cases_whole_and_streamed(case: dict[str, Any]) -> None:
+    templates = _templates(case["template"])
+    rendered = templates.apply(_inputs(case))
+    params = {"format": rendered["format"], "parser": rendered["parser"],
+              "generation_prompt": rendered["generation_prompt"], "reasoning_format": case["reasoning_format"],
+              "is_continuation": bool(case["continue_final_message"])}
+    text = case["input"]
+    streamed = ReplyReader(templates.parser(params))
+    deltas = []
+    data = text.encode()
+    at = 0
+    while at < len(data):  # a byte at a time, never inside a character
+        end = at + 1
+        while end < len(data) and data[end] & 0xC0 == 0x80:
+            end += 1
+        deltas += streamed.feed(data[at:end].decode())
+        at = end
+    if not case["is_partial"]:
+        deltas += streamed.finish()
+        whole = ReplyReader(templates.parser(params)).read(text)
+        _same(case["expect"], whole)
+    _same(case["expect"], streamed.message, ids=False)
+    # the deltas concatenate to the message, and no marker text leaks into the content
+    assert "".join(d.content for d in deltas) == streamed.message.content[:len("".join(d.content for d in deltas))]
+    if not case["is_partial"]:
+        assert "".join(d.content for d in deltas) == streamed.message.content
+        assert "".join(d.reasoning for d in deltas) == streamed.message.reasoning
+        for i, call in enumerate(streamed.message.tool_calls):
+            pieces = [c for d in deltas for c in d.calls if c.index == i]
+            assert pieces[0].name == call.name and pieces[0].id == call.id
+            assert "".join(c.arguments for c in pieces) == call.arguments
+
+
+def test_the_parse_cases_cover_llama_cpp_tests() -> None:
+    assert len(PARSE_CASES) > 300
+    assert len({c["template"] for c in PARSE_CASES}) > 40
