@@ -20,7 +20,9 @@ from pathlib import Path
 import anyio
 
 from aiollama import EngineConfig
+from aiollama.config import REASONING_MODES
 from aiollama.errors import AiollamaError
+from aiollama.formats.chat import REASONING_FORMATS
 
 
 def _model_and_prompts(words: list[str]) -> tuple[Path | None, list[str]]:
@@ -85,6 +87,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.reasoning_budget is not None and args.reasoning_budget < 0:
         print("aiollama serve: --reasoning-budget must be >= 0", file=sys.stderr)
         return 2
+    if args.chat_template is not None and args.chat_template_file is not None:
+        print("aiollama serve: give --chat-template or --chat-template-file, not both", file=sys.stderr)
+        return 2
     app = create_app(args.model, model_name=args.model_name, api_keys=keys, limits=limits,
                      public_metrics=args.public_metrics, n_ctx=serve_n_ctx(args), n_seq_max=args.n_seq_max,
                      max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
@@ -94,7 +99,9 @@ def _serve(args: argparse.Namespace) -> int:
                      backend_sampling=args.backend_sampling, kv_unified=args.unified_cache,
                      cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, flash_attn=args.flash_attn,
                      reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
-                     lora=_adapters(args.lora), mmproj=args.mmproj, fetch_images=args.fetch_images)
+                     lora=_adapters(args.lora), mmproj=args.mmproj, fetch_images=args.fetch_images,
+                     chat_template=args.chat_template_file or args.chat_template, reasoning=args.reasoning,
+                     reasoning_format=args.reasoning_format)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
 
@@ -279,6 +286,16 @@ def parser() -> argparse.ArgumentParser:
                        help="the model's image projector (an mmproj GGUF): chat messages may hold image_url parts")
     serve.add_argument("--fetch-images", action="store_true",
                        help="fetch image_url parts that name http(s) URLs (by default only data: URLs are read)")
+    serve.add_argument("--chat-template", default=None,
+                       help="a chat template (Jinja) in place of the one the model's GGUF carries, or lacks")
+    serve.add_argument("--chat-template-file", type=Path, default=None, help="the same, from a file")
+    serve.add_argument("--reasoning", "-rea", choices=REASONING_MODES, default="auto",
+                       help="the template's thinking switch by default: auto (on where the template has one), "
+                            "on or off")
+    serve.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="auto",
+                       help="how replies' thinking is returned, for requests that give no reasoning_format: "
+                            "auto or deepseek (in reasoning_content), none (left in the content), deepseek-legacy "
+                            "(in both)")
     serve.add_argument("--reasoning-budget", type=int, default=None,
                        help="tokens a thinking block may run before the server closes it, for requests that give "
                             "no reasoning_budget (0: no thinking)")

@@ -69,6 +69,10 @@ class SamplingParams:
     tokens after the first, given those before it, computed in the same decode steps as everything
     else. The prompt is then evaluated whole (no cached prefix has logits).
 
+    ``thinking_tags`` are the markers (opening, closing) of the model's thinking block that
+    ``reasoning_budget`` counts in (a chat turn sets its format's; else ``<think>`` and
+    ``</think>``, or gpt-oss's analysis channel).
+
     ``grammar_prefill`` is text the ``grammar`` takes as already generated before the first token
     (special tokens parsed): the generation prompt a chat template wrote, where llama.cpp's
     grammar of a tool call begins with it. ``preserved_tokens`` are token texts the stream's text
@@ -109,6 +113,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     grammar_prefill: str = ""
     preserved_tokens: tuple[str, ...] = ()
+    thinking_tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -177,6 +182,11 @@ class SamplingParams:
                 not all(isinstance(t, str) and t for t in preserved):
             raise InvalidRequestError(f"preserved_tokens must be a list of token texts, got {self.preserved_tokens!r}")
         object.__setattr__(self, "preserved_tokens", tuple(preserved))
+        tags: Any = self.thinking_tags
+        if not isinstance(tags, Sequence) or isinstance(tags, str) or len(tags) not in (0, 2) or \
+                not all(isinstance(t, str) and t.strip() for t in tags):
+            raise InvalidRequestError(f"thinking_tags must be (opening, closing) marker texts, got {self.thinking_tags!r}")
+        object.__setattr__(self, "thinking_tags", tuple(tags))
 
     def _check_constraint(self) -> None:
         given = [name for name in ("grammar", "json_schema", "regex", "lark") if getattr(self, name) is not None]

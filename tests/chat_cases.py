@@ -181,3 +181,55 @@ def family_model(family: str, smollm2: Path) -> Path:
     source = (llama_cpp_dir() / "models" / "templates" / template).read_text(encoding="utf-8")
     return scripted_model(aiollama.cache_dir() / "test-models" / f"scripted-{family}-v1.gguf", smollm2, template=source, markers=markers,
                           request=family_request(family), reply=family_case(family)["input"])
+
+
+def conformance(tokenizer: Any) -> dict[str, dict[str, Any]]:
+    """For each vendor template: how its conversations render against llama-server's (equal,
+    refused by both, tools described by aiollama where llama-server leaves them out, differing),
+    its parse cases, whether a required call has a grammar, and whether it has a thinking switch."""
+    from aiollama.errors import AiollamaError
+    from aiollama.formats.chat import ChatTemplate
+    from aiollama.formats.messages import normalize
+
+    goldens = load("goldens.json")
+    made, today = datetime.date.fromisoformat(goldens["date"]), datetime.date.today()
+    cases = load("parse_cases.json")
+    out = {}
+    for name in sorted(goldens["templates"]):
+        template = ChatTemplate.of(tokenizer, (llama_cpp_dir() / "models" / "templates" / f"{name}.jinja").read_text())
+        row = {"equal": 0, "refused": 0, "described": 0, "differs": 0}
+        for case, body in CONVERSATIONS.items():
+            golden = goldens["templates"][name][case]
+            try:
+                prompt: str | None = template.render(normalize(body["messages"]), tools=body.get("tools"),
+                                                     chat_template_kwargs=body.get("chat_template_kwargs")).prompt
+            except AiollamaError:
+                prompt = None
+            if "prompt" not in golden or prompt is None:
+                row["refused" if "prompt" not in golden and prompt is None else "differs"] += 1
+            elif prompt == same_day(golden["prompt"], made, today):
+                row["equal"] += 1
+            elif body.get("tools") and not template.supports_tools:
+                row["described"] += 1
+            else:
+                row["differs"] += 1
+        required = template.layer.apply({"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER],
+                                         "tool_choice": "required"})
+        row.update(parse=sum(c["template"] == f"{name}.jinja" for c in cases), constrain=bool(required["grammar"]),
+                   format=required["format_name"], thinking=template.supports_thinking)
+        out[name] = row
+    return out
+
+
+def conformance_table(rows: dict[str, dict[str, Any]]) -> str:
+    """The table of docs/chat-formats.md."""
+    def mark(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    lines = ["| template | renders as llama-server | refused by both | tools described | llama.cpp parse cases "
+             "| constrains a call | thinking switch |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['equal']} of {len(CONVERSATIONS)} | {r['refused']} | {r['described']} | "
+                     f"{r['parse']} | {mark(r['constrain'])} | {mark(r['thinking'])} |")
+    return "\n".join(lines)

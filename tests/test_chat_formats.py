@@ -145,3 +145,34 @@ def test_llama_cpp_parse_cases_whole_and_streamed(case: dict[str, Any]) -> None:
 def test_the_parse_cases_cover_llama_cpp_tests() -> None:
     assert len(PARSE_CASES) > 300
     assert len({c["template"] for c in PARSE_CASES}) > 40
+
+
+@pytest.mark.anyio
+async def test_a_template_of_ones_own_and_the_default_thinking_switch(tiny_path: Path) -> None:
+    from aiollama import Engine
+
+    source = llama_cpp_dir() / "models" / "templates" / "Qwen3.5-4B.jinja"
+    async with Engine(tiny_path, n_ctx=512, chat_template=source) as engine:  # a file
+        assert engine.render_chat("Hi").endswith("<|im_start|>assistant\n<think>\n")  # thinking on, as llama-server
+        assert engine.render_chat("Hi", chat_template_kwargs={"enable_thinking": False}).endswith("</think>\n\n")
+        assert engine.chat_template.supports_thinking and engine.chat_template.caps["supports_tools"]
+    async with Engine(tiny_path, n_ctx=512, chat_template=source.read_text(), reasoning="off") as engine:  # text
+        assert engine.render_chat("Hi").endswith("<think>\n\n</think>\n\n")
+        assert engine.render_chat("Hi", chat_template_kwargs={"enable_thinking": True}).endswith("<think>\n")
+    with pytest.raises(ChatTemplateError, match="chat template"):
+        async with Engine(tiny_path, n_ctx=512, chat_template="{% for m in messages %}"):
+            pass
+    with pytest.raises(InvalidRequestError, match="reasoning"):
+        Engine(tiny_path, reasoning="sometimes")
+
+
+def test_the_docs_table_is_what_the_templates_do(tokenizer: Any) -> None:
+    from chat_cases import ROOT, conformance, conformance_table
+
+    rows = conformance(tokenizer)
+    assert not any(r["differs"] for r in rows.values())
+    page = (ROOT / "docs" / "chat-formats.md").read_text(encoding="utf-8")
+    assert conformance_table(rows) in page
+    totals = {k: sum(r[k] for r in rows.values()) for k in ("equal", "refused", "described")}
+    assert (f"{totals['equal']} render as llama-server renders them, {totals['refused']} are refused by both, and "
+            f"{totals['described']}") in page

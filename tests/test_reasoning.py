@@ -245,11 +245,18 @@ def test_a_malformed_tool_is_refused_by_render_chat(tiny_path: Path) -> None:
 # the thinking budget
 
 
+def closing_tag(engine: Engine) -> str:
+    """The closing marker of the template's thinking block, as llama.cpp's chat layer finds it."""
+    tags: list[str] = engine.chat_template.render(normalize("Hi")).params["thinking_end_tags"]
+    assert tags[0].strip() == reasoning.END
+    return tags[0]
+
+
 @pytest.mark.anyio
 async def test_a_reasoning_budget_closes_the_block_after_its_tokens(opening_model: Path) -> None:
     async with Engine(opening_model, n_ctx=512) as engine:
         end = engine.tokenize(reasoning.END, add_special=False)[0]
-        closing = engine.tokenize("\n" + reasoning.END + "\n\n", add_special=False, special=True)
+        closing = engine.tokenize(closing_tag(engine), add_special=False, special=True)  # as llama-server closes it
         # the bias keeps the random model from ever closing the block itself
         free = await engine.conversation().chat("Hi", max_tokens=24, temperature=0, logit_bias={end: -100})
         assert end not in free.tokens and free.content == ""
@@ -269,7 +276,7 @@ async def test_a_reasoning_budget_closes_the_block_after_its_tokens(opening_mode
 async def test_a_reasoning_budget_counts_from_a_block_the_model_opens(plain_model: Path) -> None:
     async with Engine(plain_model, n_ctx=512) as engine:
         start, end = engine.tokenize(reasoning.START + reasoning.END, add_special=False)
-        closing = engine.tokenize("\n" + reasoning.END + "\n\n", add_special=False, special=True)
+        closing = engine.tokenize(closing_tag(engine), add_special=False, special=True)
         result = await engine.conversation().chat("Hi", max_tokens=20, temperature=0,
                                                    logit_bias={start: 60, end: -100}, reasoning_budget=3)
         assert result.tokens[0] == start and result.tokens[4:4 + len(closing)] == closing

@@ -180,12 +180,14 @@ def reader_for(core: EngineClient, turn: Rendered) -> ReplyReader:
 
 def reply_params(turn: Rendered, params: dict[str, Any]) -> dict[str, Any]:
     """A chat turn's stream parameters: its model's marker tokens shown in the text, the format's
-    own stop strings, and the constraint a required or named tool call asks for (llama.cpp's
-    grammar, which begins with the generation prompt; a JSON schema where the tools were
-    described)."""
+    own stop strings and thinking markers, and the constraint a required or named tool call asks
+    for (llama.cpp's grammar, which begins with the generation prompt; a JSON schema where the
+    tools were described)."""
     out = dict(params)
     formats = turn.params
     out["preserved_tokens"] = tuple(formats.get("preserved_tokens") or ())
+    if formats.get("thinking_start_tag") and formats.get("thinking_end_tags"):
+        out["thinking_tags"] = (formats["thinking_start_tag"], formats["thinking_end_tags"][0])
     extra = formats.get("additional_stops") or []
     if extra:
         given = out.get("stop") or ()

@@ -62,6 +62,12 @@ class EngineClient:
             raise
         self._tokenizer = self.decoder.tokenizer
         self.images = ImageEncoder(self.decoder.projector)
+        if self.config.chat_template is not None:  # a template given by hand is read now: a broken one fails the start
+            try:
+                _ = self.chat_template
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
         """Stop the decode thread (running streams end with EngineClosed); raises EngineDead if it

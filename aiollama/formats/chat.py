@@ -225,7 +225,7 @@ class ChatTemplate:
 
     @property
     def supports_tools(self) -> bool:
-        """Whether the template has a place for tools (llama.cpp describes them otherwise)."""
+        """Whether the template has a place for tools (aiollama describes them otherwise)."""
         return bool(self.layer.caps.get("supports_tools"))
 
     @property
@@ -279,8 +279,9 @@ class ChatTemplate:
         grammar then constrains), the template's variables ``chat_template_kwargs`` and
         ``reasoning_effort`` ("none" switches thinking off). ``continue_final_message``: the last message is the
         assistant's, and the reply continues it. A template with no place for tools gets them
-        described in a system message (``describe_tools``: this is the conversation's first turn)
-        and earlier calls written as JSON, where llama.cpp would leave them out. Raises
+        described in a system message (``describe_tools``: this is the conversation's first turn),
+        where llama.cpp would leave them out; one that cannot write calls either is told to call
+        in JSON, and its earlier calls are written so. Raises
         ChatTemplateError for what the template refuses or cannot render, with llama.cpp's
         reason."""
         if reasoning_format not in REASONING_FORMATS:
@@ -302,8 +303,11 @@ class ChatTemplate:
                 extra["reasoning_effort"] = reasoning_effort
         names, choice = _tool_choice(tools, tool_choice)
         described: tuple[dict[str, Any], ...] = ()
-        if tools and not self.supports_tools:  # llama.cpp would drop them: describe them instead
-            messages, described, tools = tools_as_text(messages, tools, first=describe_tools), tuple(map(dict, tools)), None
+        if tools and not self.supports_tools:  # llama.cpp would leave them out: describe them instead
+            native = bool(self.layer.caps.get("supports_tool_calls"))  # its calls have a syntax llama.cpp reads
+            messages = tools_as_text(messages, tools, first=describe_tools, json_calls=not native)
+            if not native:
+                described, tools = tuple(map(dict, tools)), None
         for text in template_texts(messages, tools):
             if self.has_special_text(text):
                 raise ChatTemplateError(f"{text[:80]!r} holds special-token text (a role, a tool call or a tool)")

@@ -161,14 +161,15 @@ def template_texts(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] |
     return parts
 
 
-def tools_as_text(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]], *,
-                  first: bool) -> list[dict[str, Any]]:
-    """Messages for a template without a place for tools: earlier calls written as JSON in their
-    message, and (``first``: the conversation's first turn) the tools described in the system
+def tools_as_text(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]], *, first: bool,
+                  json_calls: bool = True) -> list[dict[str, Any]]:
+    """Messages for a template without a place for tools: (``first``: the conversation's first
+    turn) the tools described in the system message; with ``json_calls`` (a template that cannot
+    write calls either) told to answer a call in JSON, and earlier calls written so in their
     message."""
     out = []
     for message in messages:
-        if message.get("tool_calls"):
+        if json_calls and message.get("tool_calls"):
             calls = [{"name": c["function"]["name"], "arguments": _object(c["function"]["arguments"])}
                      for c in message["tool_calls"]]
             text = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
@@ -177,10 +178,11 @@ def tools_as_text(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, A
             message["content"] = (content + "\n" + text).strip()
         out.append(message)
     if first:
+        told = describe(tools, json_calls=json_calls)
         if out and out[0]["role"] == "system" and isinstance(out[0]["content"], str):
-            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + describe(tools)}
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + told}
         else:
-            out.insert(0, {"role": "system", "content": describe(tools)})
+            out.insert(0, {"role": "system", "content": told})
     return out
 
 

@@ -20,9 +20,10 @@ START, END = "<think>", "</think>"
 ANALYSIS = harmony.CHANNEL + "analysis" + harmony.MESSAGE  # how a Harmony reply opens its thinking
 
 
-def opened(prompt_tail: str) -> bool:
-    """Whether a prompt ending with ``prompt_tail`` leaves the model inside a thinking block."""
-    return prompt_tail.rstrip().endswith(START)
+def opened(prompt_tail: str, start: str = START) -> bool:
+    """Whether a prompt ending with ``prompt_tail`` leaves the model inside a thinking block (that
+    ``start`` opens)."""
+    return prompt_tail.rstrip().endswith(start)
 
 
 def split(text: str, *, inside: bool = False) -> tuple[str, str]:
@@ -67,15 +68,17 @@ class Budget:
     a step, and the model answers after them. ``inside``: the prompt opened the block. A Harmony
     reply's analysis channel counts the same way and is closed by ``harmony_closing`` (a message,
     the end of the message and the header of the final channel). A generation that starts with
-    something other than a thinking block is not touched.
+    something other than a thinking block is not touched. ``start`` and ``end`` are the markers of
+    the model's own thinking block (a chat format's: ``[THINK]``, ``<|channel>thought``...).
     """
 
-    def __init__(self, limit: int, closing: Sequence[int], *, inside: bool,
-                 harmony_closing: Sequence[int] = ()) -> None:
+    def __init__(self, limit: int, closing: Sequence[int], *, inside: bool, harmony_closing: Sequence[int] = (),
+                 start: str = START, end: str = END) -> None:
         self.left = limit
         self.closing = list(closing)
         self.harmony_closing = list(harmony_closing)
-        self.end = END  # what closes the block the generation is in
+        self.start = start
+        self.end = end.strip() or end  # what closes the block the generation is in
         self.inside = inside
         self.done = False  # the block closed (by the model or by force), or there was none
         self.forced: deque[int] = deque()
@@ -105,12 +108,12 @@ class Budget:
         self._text += piece.decode("utf-8", "replace")
         if not self.inside:
             head = self._text.lstrip()
-            if head.startswith(START):
+            if head.startswith(self.start):
                 self._enter()
             elif head.startswith(ANALYSIS) and self.harmony_closing:
                 self.closing, self.end = self.harmony_closing, harmony.START
                 self._enter()
-            elif not (START.startswith(head) or ANALYSIS.startswith(head)):
+            elif not (self.start.startswith(head) or ANALYSIS.startswith(head)):
                 self.done = True
             return
         self._text = self._text[-len(self.end) * 4:]

@@ -122,8 +122,13 @@ def call_schema(tools: Sequence[Mapping[str, Any]], choice: Any) -> dict[str, An
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def describe(tools: Sequence[Mapping[str, Any]]) -> str:
-    """A system message that offers ``tools`` to a model whose template has no place for them."""
+def describe(tools: Sequence[Mapping[str, Any]], *, json_calls: bool = True) -> str:
+    """A system message that offers ``tools`` to a model whose template has no place for them;
+    ``json_calls``: it is told to answer a call as JSON (where its template writes calls of a
+    syntax of its own, it writes those)."""
     listed = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
-    return ("You can call these tools:\n" + listed + "\n\nTo call one, answer only with a JSON object: "
-            '{"name": <the tool\'s name>, "arguments": <an object of its arguments>}.')
+    told = "You can call these tools:\n" + listed
+    if json_calls:
+        told += ("\n\nTo call one, answer only with a JSON object: "
+                 '{"name": <the tool\'s name>, "arguments": <an object of its arguments>}.')
+    return told

@@ -179,12 +179,16 @@ class Sampling:
     def _budget(self, params: SamplingParams, history: Sequence[int]) -> reasoning.Budget | None:
         if params.reasoning_budget is None:
             return None
-        tail = b"".join(self.vocab.token_to_piece(t, special=True) for t in history[-8:])
-        closing = self.vocab.tokenize(params.reasoning_budget_message + "\n" + reasoning.END + "\n\n",
-                                      parse_special=True)
-        harmony_closing = self.vocab.tokenize(params.reasoning_budget_message + "<|end|><|start|>assistant<|channel|>"
-                                              "final<|message|>", parse_special=True)
-        return reasoning.Budget(params.reasoning_budget, closing, inside=reasoning.opened(tail.decode("utf-8", "replace")),
+        tail = b"".join(self.vocab.token_to_piece(t, special=True) for t in history[-8:]).decode("utf-8", "replace")
+        message = params.reasoning_budget_message
+        if params.thinking_tags:  # a chat format's own block: closed as llama-server closes it
+            start, end = params.thinking_tags[0], params.thinking_tags[1]
+            return reasoning.Budget(params.reasoning_budget, self.vocab.tokenize(message + end, parse_special=True),
+                                    inside=reasoning.opened(tail, start), start=start, end=end)
+        closing = self.vocab.tokenize(message + "\n" + reasoning.END + "\n\n", parse_special=True)
+        harmony_closing = self.vocab.tokenize(message + "<|end|><|start|>assistant<|channel|>final<|message|>",
+                                              parse_special=True)
+        return reasoning.Budget(params.reasoning_budget, closing, inside=reasoning.opened(tail),
                                 harmony_closing=harmony_closing)
 
     def stop(self, conv: int) -> None:

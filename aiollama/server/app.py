@@ -26,6 +26,7 @@ from aiollama import Engine
 from aiollama.errors import (
     AiollamaError,
 )
+from aiollama.formats.chat import REASONING_FORMATS
 from aiollama.models import default_model
 from aiollama.sampling import SamplingParams
 from aiollama.server import messages, responses
@@ -42,13 +43,15 @@ from aiollama.server.utility import apply_template, detokenize, tokenize
 def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | None = None,
                model_name: str | None = None, retry_after: int = 1, api_keys: Iterable[str] = (),
                limits: Limits | None = None, public_metrics: bool = False, reasoning_budget: int | None = None,
-               reasoning_budget_message: str = "", fetch_images: bool = False, **engine_options: Any) -> Starlette:
+               reasoning_budget_message: str = "", fetch_images: bool = False, reasoning_format: str = "auto",
+               **engine_options: Any) -> Starlette:
     """The app. ``engine_options`` go to :class:`Engine` when the app owns its engine.
 
     With ``api_keys`` (or keys in ``$AIOLLAMA_API_KEY``, comma-separated) every route but
     ``/health`` (and ``/metrics`` when ``public_metrics``) needs one of them; ``limits`` bound the
     body, its nesting and the requests in flight per key (:class:`~aiollama.server.guard.Limits`).
-    ``reasoning_budget`` (and its message) applies to every request that gives none.
+    ``reasoning_budget`` (and its message) and ``reasoning_format`` (llama-server's: how a reply's
+    thinking is returned) apply to every request that gives none.
     ``fetch_images``: image_url parts may name http(s) URLs, which the server fetches.
     """
     if engine is not None and (model is not None or engine_options):
@@ -56,8 +59,10 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
     path = None if model is None else Path(model)
     name = model_name or (path.stem if path is not None else "")
     guard = Guard(load_keys(api_keys), limits or Limits(), public_metrics)
+    if reasoning_format not in REASONING_FORMATS:
+        raise ValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}")
     state = State(model_name=name, retry_after=retry_after, engine=engine, owns_engine=engine is None, guard=guard,
-                  fetch_images=fetch_images)
+                  fetch_images=fetch_images, reasoning_format=reasoning_format)
     if reasoning_budget is not None:
         SamplingParams(reasoning_budget=reasoning_budget, reasoning_budget_message=reasoning_budget_message)  # checks
         state.defaults.update(reasoning_budget=reasoning_budget, reasoning_budget_message=reasoning_budget_message)

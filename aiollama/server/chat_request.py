@@ -83,8 +83,8 @@ def chat_switches(body: dict[str, Any], request: Request) -> None:
     if effort is not None and effort not in REASONING_EFFORTS:
         raise BadRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", param="reasoning_effort")
     request.reasoning_effort = effort
-    form = body.get("reasoning_format", "auto")
-    if form not in REASONING_FORMATS:
+    form = body.get("reasoning_format")
+    if form is not None and form not in REASONING_FORMATS:
         raise BadRequest(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}", param="reasoning_format")
     request.reasoning_format = form
     parallel = body.get("parallel_tool_calls")

@@ -83,7 +83,7 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
                 raise BadRequest("tool_choice 'required' or a named function constrains the output; give "
                                  "no response_format, grammar or json_schema with it", param="tool_choice")
             effort_of(engine, req.reasoning_effort, "reasoning_effort")
-            n_prompt = root.append_chat(req.messages, **req.chat_options())
+            n_prompt = root.append_chat(req.messages, **state.chat(req.chat_options()))
         else:
             tokens = engine.tokenize(req.prompt, add_special=True) if isinstance(req.prompt, str) else req.prompt
             assert tokens is not None

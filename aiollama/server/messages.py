@@ -169,7 +169,7 @@ def _start(state: State, req: MessagesRequest) -> Reply:
     check_prompt_size(state, engine, [message_text(m) for m in req.messages], engine.n_ctx)
     conv = engine.conversation()
     try:
-        stream = conv.chat(req.messages, **chat_options(engine, req), **state.params(req.params))
+        stream = conv.chat(req.messages, **state.chat(chat_options(engine, req)), **state.params(req.params))
     except BaseException as exc:
         conv.close_nowait()
         if isinstance(exc, AiollamaError):

@@ -40,7 +40,7 @@ class Request:
     tool_choice: Any = "auto"
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
     reasoning_effort: str | None = None
-    reasoning_format: str = "auto"
+    reasoning_format: str | None = None  # None: the server's
     parallel_tool_calls: bool | None = None
     continue_final_message: bool = False  # the reply continues the last (assistant) message
     cache_salt: str | None = None  # shares cached cells only with requests of the same salt
@@ -50,10 +50,12 @@ class Request:
 
     def chat_options(self) -> dict[str, Any]:
         """What ``Conversation.append_chat`` takes besides the messages."""
-        return {"tools": self.tools, "tool_choice": self.tool_choice, "chat_template_kwargs": self.template_kwargs,
-                "reasoning_effort": self.reasoning_effort, "reasoning_format": self.reasoning_format,
-                "parallel_tool_calls": self.parallel_tool_calls,
-                "continue_final_message": self.continue_final_message}
+        options = {"tools": self.tools, "tool_choice": self.tool_choice, "chat_template_kwargs": self.template_kwargs,
+                   "reasoning_effort": self.reasoning_effort, "parallel_tool_calls": self.parallel_tool_calls,
+                   "continue_final_message": self.continue_final_message}
+        if self.reasoning_format is not None:
+            options["reasoning_format"] = self.reasoning_format
+        return options
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:

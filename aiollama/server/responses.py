@@ -163,9 +163,9 @@ def _start(state: State, req: ResponsesRequest) -> Turn:
     else:
         conv = engine.conversation()
     try:
-        stream = conv.chat(messages, tools=req.tools, tool_choice=req.tool_choice,
-                           reasoning_effort=effort_of(engine, req.reasoning_effort, "reasoning.effort"),
-                           **state.params(req.params))
+        options = {"tools": req.tools, "tool_choice": req.tool_choice,
+                   "reasoning_effort": effort_of(engine, req.reasoning_effort, "reasoning.effort")}
+        stream = conv.chat(messages, **state.chat(options), **state.params(req.params))
     except BaseException as exc:
         conv.close_nowait()
         if isinstance(exc, AiollamaError):

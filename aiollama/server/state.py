@@ -36,6 +36,7 @@ class State:
     longest_piece: int = 0  # the most bytes one token stands for (0: not looked up yet)
     defaults: dict[str, Any] = field(default_factory=dict)  # stream parameters a request may override
     fetch_images: bool = False  # image_url parts may name http(s) URLs for the server to fetch
+    reasoning_format: str = "auto"  # how replies' thinking is returned, where a request does not say
     metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +56,10 @@ class State:
     def params(self, given: dict[str, Any]) -> dict[str, Any]:
         """A request's stream parameters over the server's defaults (``--reasoning-budget``...)."""
         return {**self.defaults, **given}
+
+    def chat(self, given: dict[str, Any]) -> dict[str, Any]:
+        """A request's chat options over the server's defaults (``--reasoning-format``)."""
+        return {"reasoning_format": self.reasoning_format, **given}
 
     def statistics(self) -> Statistics | None:
         try:
