@@ -203,6 +203,8 @@ int32_t llama_model_n_swa(const struct llama_model * model);
 int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
 uint64_t llama_model_size(const struct llama_model * model);
 uint64_t llama_model_n_params(const struct llama_model * model);
+enum llama_ftype llama_model_ftype(const struct llama_model * model);
+const char * llama_ftype_name(enum llama_ftype ftype);
 bool llama_model_has_encoder(const struct llama_model * model);
 bool llama_model_has_decoder(const struct llama_model * model);
 bool llama_model_is_recurrent(const struct llama_model * model);
@@ -237,6 +239,7 @@ int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
 float * llama_get_logits(struct llama_context * ctx);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
+float * llama_get_embeddings_ith(struct llama_context * ctx, int32_t i);
 enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
 
 /* memory (KV cache) */
@@ -268,6 +271,11 @@ llama_token llama_vocab_bos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eot(const struct llama_vocab * vocab);
 llama_token llama_vocab_nl(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_pre(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_suf(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_mid(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_rep(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_sep(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
 int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,

@@ -16,13 +16,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 
-from aiollama import EngineConfig
+from aiollama import EngineConfig, __version__
 from aiollama.config import REASONING_MODES
 from aiollama.errors import AiollamaError
 from aiollama.formats.chat import REASONING_FORMATS
+from aiollama.serve_flags import llama_server_flags, request_defaults
 
 
 def _model_and_prompts(words: list[str]) -> tuple[Path | None, list[str]]:
@@ -90,9 +92,29 @@ def _serve(args: argparse.Namespace) -> int:
     if args.chat_template is not None and args.chat_template_file is not None:
         print("aiollama serve: give --chat-template or --chat-template-file, not both", file=sys.stderr)
         return 2
-    app = create_app(args.model, model_name=args.model_name, api_keys=keys, limits=limits,
+    from aiollama.server.cors import Cors
+
+    if args.model_option is not None:
+        if args.model is not None:
+            print("aiollama serve: give the model once (a path, or -m PATH)", file=sys.stderr)
+            return 2
+        args.model = args.model_option
+    cors = Cors(args.cors_origins, args.cors_methods, args.cors_headers, args.cors_credentials)
+    try:
+        app = _app(create_app, args, keys, limits, cors)
+    except (AiollamaError, ValueError) as exc:
+        print(f"aiollama serve: {exc}", file=sys.stderr)
+        return 2
+    serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
+    return 0
+
+
+def _app(create_app: Any, args: argparse.Namespace, keys: tuple[str, ...], limits: Any, cors: Any) -> Any:
+    """The server's app as the flags describe it."""
+    return create_app(args.model, model_name=args.model_name, api_keys=keys, limits=limits,
                      public_metrics=args.public_metrics, n_ctx=serve_n_ctx(args), n_seq_max=args.n_seq_max,
-                     max_queued=args.max_queued, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
+                     max_queued=args.max_queued, n_batch=args.n_batch, n_gpu_layers=args.n_gpu_layers,
+                     n_threads=args.threads,
                      host_cache_bytes=args.host_cache_mib << 20, checkpoint_bytes=args.checkpoint_mib << 20,
                      draft_tokens=args.draft_tokens,
                      draft_model=args.draft_model, deterministic=args.deterministic,
@@ -101,9 +123,11 @@ def _serve(args: argparse.Namespace) -> int:
                      reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
                      lora=_adapters(args.lora), mmproj=args.mmproj, fetch_images=args.fetch_images,
                      chat_template=args.chat_template_file or args.chat_template, reasoning=args.reasoning,
-                     reasoning_format=args.reasoning_format)
-    serve(app, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
-    return 0
+                     reasoning_format=args.reasoning_format, pooling=args.pooling, sampling=request_defaults(args),
+                     chat_defaults={"chat_template_kwargs": args.chat_template_kwargs,
+                                    "reasoning_effort": args.reasoning_effort},
+                     embd_normalize=args.embd_normalize, n_keep=args.keep, context_shift=args.context_shift,
+                     cors=cors, props_writable=args.props, load_in_background=True)
 
 
 def _adapters(given: list[str]) -> dict[str, Path]:
@@ -226,21 +250,28 @@ def parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server")
     serve.add_argument("model", nargs="?", type=Path, default=None, help="the GGUF file (default model if omitted)")
+    serve.add_argument("-m", "--model", dest="model_option", type=Path, default=None, metavar="MODEL",
+                       help="the GGUF file, as llama-server takes it")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model-name", default=None, help="the id /v1/models reports (default: the file name)")
-    serve.add_argument("--n-ctx", "-c", type=int, default=None,
+    serve.add_argument("--model-name", "-a", "--alias", default=None,
+                       help="the id /v1/models reports (default: the file name)")
+    serve.add_argument("--n-ctx", "-c", "--ctx-size", type=int, default=None,
                        help="KV cells in all: each request's share is n_ctx / n_seq_max with the split cache "
                             f"(default: {SLOT_CELLS} a request), all of them with --unified-cache "
                             f"(default: {EngineConfig.n_ctx})")
-    serve.add_argument("--n-seq-max", type=int, default=EngineConfig.n_seq_max)
+    serve.add_argument("--n-seq-max", "-np", "--parallel", type=int, default=EngineConfig.n_seq_max,
+                       help="generations that share a batch (llama-server's slots)")
     serve.add_argument("--max-queued", type=int, default=256)
-    serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: the CPUs this process may use)")
-    serve.add_argument("--host-cache-mib", type=int, default=EngineConfig.host_cache_bytes >> 20,
+    serve.add_argument("--n-batch", "-b", "--batch-size", type=int, default=EngineConfig.n_batch,
+                       help="the most prompt tokens one decode takes")
+    serve.add_argument("--threads", "-t", type=int, default=None,
+                       help="CPU threads (default: the CPUs this process may use)")
+    serve.add_argument("--host-cache-mib", "-cram", "--cache-ram", type=int, default=EngineConfig.host_cache_bytes >> 20,
                        help="host memory for parked KV states, MiB (0: off)")
     serve.add_argument("--checkpoint-mib", type=int, default=EngineConfig.checkpoint_bytes >> 20,
                        help="host memory for checkpoints of a recurrent or hybrid model's states, MiB (0: off)")
-    serve.add_argument("--n-gpu-layers", "-ngl", type=_layers, default=EngineConfig.n_gpu_layers,
+    serve.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=_layers, default=EngineConfig.n_gpu_layers,
                        help="layers on the GPU: auto (as many as fit, with llama.cpp's own fitting), N, or -1 "
                             "for all; 0 keeps everything on the CPU (default: auto)")
     serve.add_argument("--cache-type-k", "-ctk", default=EngineConfig.cache_type_k,
@@ -249,19 +280,19 @@ def parser() -> argparse.ArgumentParser:
                        help="the KV cache's value type, as the key's (a quantized one needs flash attention)")
     serve.add_argument("--flash-attn", "-fa", type=_switch, default=EngineConfig.flash_attn,
                        help="flash attention: on, off or auto (default: auto, llama.cpp chooses)")
-    serve.add_argument("--draft-tokens", type=int, default=EngineConfig.draft_tokens,
+    serve.add_argument("--draft-tokens", "--draft", "--draft-n", "--draft-max", type=int, default=EngineConfig.draft_tokens,
                        help="speculation: draft up to this many tokens a step (0: off, or the engine's "
                             "default with --draft-model)")
-    serve.add_argument("--draft-model", default=None,
+    serve.add_argument("--draft-model", "-md", "--model-draft", "--spec-draft-model", default=None,
                        help="a smaller GGUF model with the same vocabulary that drafts instead of n-grams")
-    serve.add_argument("--backend-sampling", action="store_true",
+    serve.add_argument("--backend-sampling", "-bs", action="store_true",
                        help="sample inside the decode graph where a stream's sampler allows it (pays on a GPU)")
     cache = serve.add_mutually_exclusive_group()
-    cache.add_argument("--split-cache", dest="unified_cache", action="store_false",
+    cache.add_argument("--split-cache", "-no-kvu", "--no-kv-unified", dest="unified_cache", action="store_false",
                        help="each request's cells its own share of the cache, as llama-server's slots (the default): "
                             "its attention reads only its own cells, and what finished requests cached never slows "
                             "the running ones")
-    cache.add_argument("--unified-cache", dest="unified_cache", action="store_true",
+    cache.add_argument("--unified-cache", "-kvu", "--kv-unified", dest="unified_cache", action="store_true",
                        help="one cache for every request: a request may hold any share of it and forks share "
                             "cells, but every step's attention passes over every used cell")
     serve.set_defaults(unified_cache=False)
@@ -282,7 +313,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora", action="append", default=[], metavar="[NAME=]PATH",
                        help="a LoRA adapter to load (repeat for several); requests choose with "
                             "lora=[{'id' or 'name', 'scale'}] (id: its place among these, from 0)")
-    serve.add_argument("--mmproj", type=Path, default=None,
+    serve.add_argument("--mmproj", "-mm", type=Path, default=None,
                        help="the model's image projector (an mmproj GGUF): chat messages may hold image_url parts")
     serve.add_argument("--fetch-images", action="store_true",
                        help="fetch image_url parts that name http(s) URLs (by default only data: URLs are read)")
@@ -301,7 +332,13 @@ def parser() -> argparse.ArgumentParser:
                             "no reasoning_budget (0: no thinking)")
     serve.add_argument("--reasoning-budget-message", default="",
                        help="written before the closing marker when the budget ends a thinking block")
+    serve.add_argument("--keep", type=int, default=EngineConfig.n_keep, metavar="N",
+                       help="tokens a context shift keeps at the start")
+    serve.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=EngineConfig.context_shift,
+                       help="a full context drops its oldest tokens past --keep, instead of ending the reply")
+    serve.add_argument("--version", action="version", version=f"aiollama {__version__}")
     serve.add_argument("--log-level", default="info")
+    llama_server_flags(serve)
 
     bench = sub.add_parser("bench", help="the benchmarks (from a source checkout)")
     bench.add_argument("--benchmarks", default=os.path.join(os.getcwd(), "benchmarks"))

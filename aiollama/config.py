@@ -18,6 +18,9 @@ DRAFT_MODEL_TOKENS = 8
 # a chat template's thinking switch by default, as llama-server's --reasoning
 REASONING_MODES = ("auto", "on", "off")
 
+# how embeddings pool a text's hidden states (llama-server's --pooling; rank is a reranker's)
+POOLING_TYPES = ("none", "mean", "cls", "last")
+
 # the KV cache element types llama.cpp can use (llama-server's --cache-type-k/-v)
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
@@ -75,6 +78,9 @@ class EngineConfig:
     path to a file holding it (llama-server's ``--chat-template`` and ``--chat-template-file``).
     ``reasoning`` is the default of a template's thinking switch, as llama-server's
     ``--reasoning``: "auto" thinks where the template can, "on" and "off" set the switch.
+    ``pooling`` is how ``embed()`` pools a text's hidden states (llama-server's ``--pooling``):
+    "mean", "cls", "last", or "none" (a vector per token); None takes the model's own (mean for a
+    generative model).
     """
 
     model_path: Path | None = None
@@ -102,6 +108,7 @@ class EngineConfig:
     mmproj: Path | None = None
     chat_template: str | None = None
     reasoning: str = "auto"
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         integer("n_ctx", self.n_ctx, low=1)
@@ -157,6 +164,8 @@ class EngineConfig:
             raise InvalidRequestError(f"lora must map names to adapter files, got {self.lora!r}")
         object.__setattr__(self, "lora", {k: Path(v) for k, v in self.lora.items()})
         object.__setattr__(self, "chat_template", _template_text(self.chat_template))
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if self.reasoning not in REASONING_MODES:
             raise InvalidRequestError(f"reasoning must be one of {', '.join(REASONING_MODES)}, got {self.reasoning!r}")
 

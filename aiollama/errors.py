@@ -51,7 +51,12 @@ class Overloaded(AiollamaError):
 
 
 class ContextFull(AiollamaError):
-    """The conversation's history alone is as long as the context: nothing can be generated."""
+    """The conversation's history alone is as long as the context: nothing can be generated.
+    ``n_prompt_tokens`` and ``n_ctx`` say by how much, where known."""
+
+    def __init__(self, message: str, *, n_prompt_tokens: int | None = None, n_ctx: int | None = None) -> None:
+        super().__init__(message)
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
 
 
 class LogitsProcessorError(AiollamaError):

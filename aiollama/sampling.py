@@ -69,6 +69,10 @@ class SamplingParams:
     tokens after the first, given those before it, computed in the same decode steps as everything
     else. The prompt is then evaluated whole (no cached prefix has logits).
 
+    ``prompt_progress`` delivers, while the prompt is evaluated (in chunks of the step budget),
+    chunks with no text whose ``progress`` is (prompt tokens, of those found in the cache, of those
+    evaluated so far), as llama-server's ``return_progress``.
+
     ``thinking_tags`` are the markers (opening, closing) of the model's thinking block that
     ``reasoning_budget`` counts in (a chat turn sets its format's; else ``<think>`` and
     ``</think>``, or gpt-oss's analysis channel).
@@ -114,6 +118,7 @@ class SamplingParams:
     grammar_prefill: str = ""
     preserved_tokens: tuple[str, ...] = ()
     thinking_tags: tuple[str, ...] = ()
+    prompt_progress: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -173,6 +178,8 @@ class SamplingParams:
             integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_TOP_LOGPROBS)
         if not isinstance(self.reasoning_budget_message, str):
             raise InvalidRequestError(f"reasoning_budget_message must be a str, got {self.reasoning_budget_message!r}")
+        if not isinstance(self.prompt_progress, bool):
+            raise InvalidRequestError(f"prompt_progress must be a bool, got {self.prompt_progress!r}")
         if not isinstance(self.grammar_prefill, str):
             raise InvalidRequestError(f"grammar_prefill must be a str, got {self.grammar_prefill!r}")
         if self.grammar_prefill and self.grammar is None:

@@ -66,6 +66,7 @@ class NullExecutor:
         self.n_cells = config.n_ctx
         self.n_seq_max = config.context_seq_ids(self.tokenizer.n_vocab)
         self.fingerprint = {"model": "null"}
+        self.model_info = {"description": "null", "ftype": "none", "n_vocab": self.tokenizer.n_vocab}
         self._piece = self.tokenizer.piece(97)
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int], matcher: Any = None,

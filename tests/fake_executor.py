@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from fake_kv import FakeKV
 
 from aiollama.config import EngineConfig
-from aiollama.errors import GrammarError, InvalidRequestError, InvalidTokenError
+from aiollama.errors import GrammarError, InvalidTokenError
 from aiollama.formats.tokens import SpecialToken
 from aiollama.sampling import SamplingParams
 from aiollama.sched.step import Plan, Sampled, StepResult, StepStatus
@@ -31,6 +31,7 @@ class ByteTokenizer:
     n_vocab = 260
     bos, eos, eot = BOS, EOS, IM_END
     add_bos = False
+    fim = {"pre": -1, "suf": -1, "mid": -1, "rep": -1, "sep": -1}
 
     def tokenize(self, text: str, *, add_special: bool, special: bool) -> list[int]:
         out: list[int] = []
@@ -65,8 +66,10 @@ class ByteTokenizer:
     def special_tokens(self) -> Sequence[SpecialToken]:
         return sorted((SpecialToken(tok, text) for tok, text in SPECIALS.items()), key=lambda s: -len(s.text))
 
-    def chat_template(self) -> str | None:
-        return CHATML
+    def chat_layer(self, source: str | None = None) -> object:
+        from aiollama.native.chat import ChatTemplates
+
+        return ChatTemplates(source or CHATML, bos_token="<s>", eos_token="</s>")
 
     def guidance(self) -> object:
         from aiollama.formats import constraints
@@ -75,8 +78,6 @@ class ByteTokenizer:
         return constraints.make_tokenizer(pieces, eog=[EOS, IM_END], bos=BOS, special=list(SPECIALS),
                                           encode=lambda text: self.tokenize(text, add_special=False, special=False))
 
-    def builtin_chat(self, messages: list[dict[str, str]], template: str, add_assistant: bool) -> str:
-        raise InvalidRequestError("the fake tokenizer has no built-in templates")
 
 
 def next_token(history: Sequence[int], eog_every: int | None, period: int | None = None) -> int:
@@ -122,6 +123,8 @@ class FakeExecutor:
         self.memory = memory  # "hybrid": a recurrent state beside the cells, with llama.cpp's rules
         self.kv = FakeKV(config.n_ctx, self.n_seq_max, recurrent=memory != "kv")
         self.fingerprint = {"model": "fake", "n_vocab": ByteTokenizer.n_vocab}
+        self.model_info = {"description": "fake", "ftype": "none", "n_params": 0, "size": 0, "n_embd": 0,
+                           "n_ctx_train": config.n_ctx, "n_vocab": ByteTokenizer.n_vocab}
         self.can_shift = memory == "kv"
         self.kv_unified = True
         self.placement = "CPU"

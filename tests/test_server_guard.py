@@ -164,8 +164,8 @@ async def test_a_key_holds_no_more_than_its_limit_and_a_slow_reader_only_its_own
 
 
 async def test_fields_are_read_or_refused_never_dropped(guarded: Server) -> None:
-    status, answer = post(guarded, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "n_probs": 3})
-    assert status == 400 and answer["error"]["param"] == "n_probs"
+    status, answer = post(guarded, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "mirostat": 2})
+    assert status == 400 and answer["error"]["param"] == "mirostat"
     status, answer = post(guarded, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                            "reasoning_effort": "low"})
     assert status == 400 and answer["error"]["param"] == "reasoning_effort"

@@ -479,3 +479,20 @@ def write_lora(path: Path, base: Path, *, rank: int = 4, alpha: float = 8.0, see
         deltas[name] = (alpha / rank) * (b @ a)
     finish(writer, tmp, path)
     return deltas
+
+
+FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<fim_pad>")
+
+
+def fim_model(cache: Path, tokenizer_source: Path) -> Path:
+    """The tiny model with fill-in-the-middle tokens added to SmolLM2's vocabulary (control tokens,
+    which llama.cpp finds by their text; the vocabulary's own ``<repo_name>`` and ``<file_sep>``
+    serve the repository-level pattern)."""
+    path = cache / "tiny-fim-v1.gguf"
+    if not path.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        fields = {k: f.contents() for k, f in copy_tokenizer(tokenizer_source).items()}  # type: ignore[attr-defined]
+        fields["tokenizer.ggml.tokens"] = list(fields["tokenizer.ggml.tokens"]) + list(FIM_TOKENS)  # type: ignore[call-overload]
+        fields["tokenizer.ggml.token_type"] = list(fields["tokenizer.ggml.token_type"]) + [3] * len(FIM_TOKENS)  # type: ignore[call-overload]
+        write_tiny_model(path, None, tokenizer=fields, seed=9)
+    return path

@@ -245,7 +245,7 @@ class SyncEngine:
         return SyncConversation(self._portal, self._portal.call(self._engine.load, path))
 
     def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *,
-              normalize: bool = True) -> list[list[float]]:
+              normalize: bool = True) -> list[Any]:
         """Embeddings; see ``Engine.embed``."""
         return self._portal.call(functools.partial(self._engine.embed, texts, normalize=normalize))
 

@@ -137,6 +137,10 @@ class EngineClient:
         """What a saved conversation must match to be loaded here."""
         return self.decoder.fingerprint
 
+    @property
+    def model_info(self) -> Mapping[str, str | int]:
+        return self.decoder.model_info
+
     # tokens
 
     @property
@@ -163,7 +167,7 @@ class EngineClient:
     def check_prompt(self, tokens: list[int]) -> None:
         if len(tokens) >= self.n_ctx:
             raise ContextFull(f"a prompt of {len(tokens)} tokens does not fit a context of {self.n_ctx} "
-                              "with room to generate")
+                              "with room to generate", n_prompt_tokens=len(tokens), n_ctx=self.n_ctx)
         if tokens[-1] < 0:
             raise ImageError("a prompt must not end with an image: give some text after it")
 

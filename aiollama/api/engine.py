@@ -33,7 +33,9 @@ from aiollama.errors import (
 )
 from aiollama.formats import savefile
 from aiollama.formats.chat import ChatTemplate
+from aiollama.formats.infill import infill_tokens, text_or_tokens
 from aiollama.formats.messages import Messages, normalize
+from aiollama.formats.tokens import Tokenizer
 from aiollama.models import default_model
 from aiollama.runner.executor import NativeExecutor
 from aiollama.sampling import seed_for
@@ -153,6 +155,41 @@ class _EngineBase:
         """The model's vocabulary size: the length of a logits row."""
         return self._client.tokenizer.n_vocab
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (thread-safe): ``tokenize``, ``piece``, ``check_token``, its
+        ``bos``, ``eos`` and ``fim`` tokens."""
+        return self._client.tokenizer
+
+    @property
+    def model_info(self) -> Mapping[str, str | int]:
+        """The served model: ``description`` (llama.cpp's), ``ftype`` (its weights' type),
+        ``n_params``, ``size`` (bytes), ``n_embd``, ``n_ctx_train`` and ``n_vocab``."""
+        self._client.check()
+        return self._client.model_info
+
+    @property
+    def fim_tokens(self) -> Mapping[str, int]:
+        """The vocabulary's fill-in-the-middle tokens: "pre", "suf", "mid", "rep", "sep" (-1 where
+        it has none)."""
+        return dict(self._client.tokenizer.fim)
+
+    def infill_tokens(self, prefix: str | Sequence[str | int], suffix: str | Sequence[str | int], *,
+                      extra: Sequence[Mapping[str, str]] = (), prompt: str | Sequence[int] = "",
+                      n_predict: int = -1) -> list[int]:
+        """The prompt that fills in the middle of a file between ``prefix`` and ``suffix`` (text,
+        token ids, or a list mixing both), with ``extra`` chunks of other files first
+        (``{"filename", "text"}``) and ``prompt`` after the prefix, as llama-server's ``/infill``
+        builds it: the prefix and suffix cut to fit one batch, 3 to 1, and the extra chunks to what
+        the context leaves past a batch and ``n_predict`` tokens. Raises InvalidRequestError for a
+        model without FIM tokens."""
+        tokenizer = self._client.tokenizer
+        tail = tokenizer.tokenize(prompt, add_special=False, special=True) if isinstance(prompt, str) \
+            else text_or_tokens(tokenizer, prompt, "prompt")
+        config = self._client.config
+        return infill_tokens(tokenizer, prefix, suffix, extra, tail, n_batch=config.n_batch,
+                             n_predict=n_predict, n_ctx=self.n_ctx)
+
     def _new(self, cls: type[Any], prompt: str | Sequence[int] | None, salt: str | None = None,
              lora: Any = None) -> Any:
         client = self._client
@@ -195,7 +232,7 @@ class _EngineBase:
         client.send(Embed(token_lists, normalize, sink))
 
     @staticmethod
-    def _vectors(item: Item) -> list[list[float]]:
+    def _vectors(item: Item) -> list[Any]:
         if isinstance(item, Delta) and item.error is not None:
             raise item.error
         assert isinstance(item, Vectors)
@@ -270,10 +307,11 @@ class Engine(_EngineBase):
         return conv
 
     async def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *,
-                    normalize: bool = True) -> list[list[float]]:
+                    normalize: bool = True) -> list[Any]:
         """One embedding per text (or token list), mean-pooled over a generative model's last
-        hidden states, or pooled as a dedicated embedding model (BERT and its kin) says; normalised
-        to unit length unless ``normalize=False``. Many texts go into one decode.
+        hidden states, or pooled as a dedicated embedding model (BERT and its kin) says, or as the
+        engine's ``pooling`` option says (``"none"``: a list of one vector per token for each
+        text); normalised to unit length unless ``normalize=False``. Many texts go into one decode.
 
         Raises ContextFull for a text longer than the embeddings context (2048 tokens at most),
         InvalidRequestError for an empty one.

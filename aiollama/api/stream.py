@@ -31,13 +31,16 @@ from aiollama.formats.toolcalls import ToolCall
 class Chunk:
     """Text and tokens generated in one step. ``text`` never holds a broken UTF-8 character. The
     last chunk has the ``finish_reason`` and the generation's ``stats``; with ``logprobs=True``,
-    ``logprobs`` has one entry per token."""
+    ``logprobs`` has one entry per token. With ``prompt_progress=True``, chunks with no text come
+    while the prompt is evaluated, their ``progress`` its tokens, those found in the cache, and
+    those evaluated so far."""
 
     text: str
     tokens: list[int]
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    progress: tuple[int, int, int] | None = None  # with prompt_progress: (prompt, cached, evaluated)
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,7 @@ class Collector:
     in_thinking: bool = False  # the prompt opened a thinking block
     stop_sequence: str | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    truncated: bool = False  # the context shifted: tokens left the history
 
     def take(self, item: Item) -> Chunk | None:
         """Record a delta; return the chunk to hand out, or None when there is nothing to show."""
@@ -188,8 +192,11 @@ class Collector:
         self.prompt_logprobs.extend(delta.prompt_logprobs)
         self.tokens.extend(delta.tokens)
         self.logprobs.extend(delta.logprobs)
+        self.truncated = self.truncated or delta.dropped is not None
         if delta.finish_reason is not None:
             self.finish_reason, self.stats, self.stop_sequence = delta.finish_reason, delta.stats, delta.stop
+        if delta.progress is not None:
+            return Chunk("", [], progress=delta.progress)
         if not delta.text and not delta.tokens:
             return None  # the end, or a context shift: nothing to show
         return Chunk(delta.text, list(delta.tokens), delta.finish_reason, delta.stats, list(delta.logprobs))
@@ -265,6 +272,11 @@ class StreamBase:
     def stats(self) -> GenerationStats | None:
         """What the generation cost, once it has ended."""
         return self._result.stats
+
+    @property
+    def truncated(self) -> bool:
+        """The context shifted while it ran (or at its start): tokens left the history."""
+        return self._result.truncated
 
     @property
     def stop_sequence(self) -> str | None:

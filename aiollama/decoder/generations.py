@@ -47,6 +47,8 @@ class Generation:
     stepped_at: float = 0.0  # the step that last gave it tokens
     scored: int = 0  # prompt scoring: positions whose following token's log-probability was sent
     score_end: int = 0  # ... up to here (the prompt's length less one); 0: no scoring
+    progress: int = -1  # prompt progress asked for: the cells last told (-1: not asked)
+    prompt: int = 0  # the history's length when it began
 
 
 def stats_of(seq: SeqState, gen: Generation | None = None) -> GenerationStats:
@@ -73,6 +75,7 @@ class Generations:
         self._gens: dict[int, Generation] = {}
         self._deferred: dict[int, list[tuple[int, ...]]] = defaultdict(list)
         self._guides: dict[int, int] = {}  # guiding conversation -> the generation it guides
+        self._progress: set[int] = set()  # generations that report their prompt's evaluation
 
     def __contains__(self, conv: int) -> bool:
         return conv in self._gens
@@ -91,7 +94,10 @@ class Generations:
         ``prompt``: the history's length, whose tokens are scored when the parameters ask."""
         self._gens[conv] = Generation(params, sink, TextAssembler(params.stop), shifts, guide=guide,
                                       created=created or time.perf_counter(),
-                                      score_end=prompt - 1 if params.prompt_logprobs is not None else 0)
+                                      score_end=prompt - 1 if params.prompt_logprobs is not None else 0,
+                                      progress=0 if params.prompt_progress else -1, prompt=prompt)
+        if params.prompt_progress:
+            self._progress.add(conv)
         if guide is not None:
             self._guides[guide] = conv
         if dropped is not None:
@@ -131,6 +137,8 @@ class Generations:
         ended: dict[int, int] = {}
         for conv, rows in result.scored.items():
             self._scored(conv, rows)
+        if self._progress:
+            self._report(scheduler)
         left = collections.Counter(sampled.conv for sampled in result.sampled)
         now = time.perf_counter()
         for sampled in result.sampled:
@@ -151,6 +159,20 @@ class Generations:
                 ended[conv] = 0
             self.outbox.emit(gen.sink, delta)
         return ended
+
+    def _report(self, scheduler: Scheduler) -> None:
+        """The prompt progress of the generations that asked, where the step evaluated more of it."""
+        for conv in list(self._progress):
+            gen, seq = self._gens[conv], scheduler.get(conv)
+            if seq.prompt_tokens < 0:
+                continue  # not admitted yet
+            total = gen.prompt or len(seq.tokens)
+            done = min(seq.n_cached, total)
+            if done > gen.progress:
+                gen.progress = done
+                self.outbox.emit(gen.sink, Delta(progress=(total, min(seq.cached_tokens, total), done)))
+            if done >= total - 1:
+                self._progress.discard(conv)
 
     def _scored(self, conv: int, rows: tuple[Scored, ...]) -> None:
         """Scored prompt rows, each position once and in order (a preempted prompt is evaluated
@@ -187,6 +209,7 @@ class Generations:
         here; without, :meth:`update` already emitted its last delta. Returns the prompts that
         waited for it, to append now."""
         gen = self._gens.pop(conv)
+        self._progress.discard(conv)
         if gen.queued:
             self.admission.leave()
         if reason is not None or error is not None:

@@ -61,6 +61,7 @@ class DecodeLoop:
         self.tokenizer: Tokenizer | None = None  # set once the executor is open
         self.projector: Any = None
         self.fingerprint: Mapping[str, str | int] = {}
+        self.model_info: Mapping[str, str | int] = {}
         self.n_ctx = 0
         self._open_executor = open_executor
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -126,7 +127,7 @@ class DecodeLoop:
                 self._startup_error = exc
                 return
             self.tokenizer, self.n_ctx, outbox = executor.tokenizer, executor.n_ctx, core.outbox
-            self.fingerprint = executor.fingerprint
+            self.fingerprint, self.model_info = executor.fingerprint, executor.model_info
             self.projector = getattr(executor, "projector", None)  # images: used from the callers' threads
             self._core = core
             self._ready.set()

@@ -85,7 +85,9 @@ class Delta:
     to the conversation (also an end-of-generation token, which the stream does not show).
     ``dropped`` is a context shift, ``(n_keep, n)``: tokens ``[n_keep, n_keep + n)`` left the
     history before ``history`` was appended. The last delta carries ``stats``, and ``stop`` the
-    stop string that ended the generation (finish reason STOP).
+    stop string that ended the generation (finish reason STOP). ``progress`` is a prompt's
+    evaluation so far (its tokens, of those found cached, of those in the cache now), for a
+    generation that asked for it.
     """
 
     text: str = ""
@@ -98,6 +100,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
     stop: str | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # scored prompt tokens (the second on), in order
+    progress: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,9 +121,10 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Vectors:
-    """The answer to an :class:`Embed`: one vector per text, in order."""
+    """The answer to an :class:`Embed`: one vector per text, in order (without pooling, a list of
+    one vector per token)."""
 
-    vectors: list[list[float]] = field(repr=False)
+    vectors: list[Any] = field(repr=False)
 
 
 Item = Delta | Ack | Snapshot | Vectors

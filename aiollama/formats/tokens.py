@@ -32,6 +32,7 @@ class Tokenizer(Protocol):
     eos: int
     eot: int
     add_bos: bool
+    fim: dict[str, int]  # fill-in-the-middle tokens: "pre", "suf", "mid", "rep", "sep" (-1: none)
 
     def tokenize(self, text: str, *, add_special: bool, special: bool) -> list[int]: ...
 

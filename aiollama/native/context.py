@@ -261,6 +261,16 @@ class Context(Handle, MemoryOps):
             raise InvalidOutputError(f"no pooled embedding for sequence {seq_id} (embeddings off, or no pooling)")
         return list(ffi.unpack(row, self.model.n_embd))
 
+    def token_embedding(self, idx: int) -> list[float]:
+        """The embedding of batch row ``idx`` (an output row) after the last decode of an embeddings
+        context without pooling."""
+        ptr = self._get()
+        self.check_output(idx)
+        row = lib.llama_get_embeddings_ith(ptr, idx)
+        if row == ffi.NULL:
+            raise InvalidOutputError(f"no embedding for batch row {idx} (embeddings off, or pooled)")
+        return list(ffi.unpack(row, self.model.n_embd))
+
     def logits(self, idx: int) -> list[float]:
         """A copy of the logits of batch row ``idx`` of the last decode."""
         ptr = self._get()

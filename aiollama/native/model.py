@@ -89,6 +89,8 @@ class Model(Handle):
         self.n_embd: int = lib.llama_model_n_embd(ptr)
         self.n_layer: int = lib.llama_model_n_layer(ptr)
         self.n_params: int = lib.llama_model_n_params(ptr)
+        # the weights' element type, as llama.cpp names it ("Q4_1", "all F32", ...)
+        self.ftype: str = ffi.string(lib.llama_ftype_name(lib.llama_model_ftype(ptr))).decode("utf-8", "replace")
         self.size: int = lib.llama_model_size(ptr)
         self.n_swa: int = lib.llama_model_n_swa(ptr)  # > 0: a sliding-window attention model
         # Recurrent and hybrid memories cannot drop the tail of a sequence (seq_rm of a partial range):
@@ -201,6 +203,9 @@ class Vocab:
         self.eos: int = lib.llama_vocab_eos(ptr)
         self.eot: int = lib.llama_vocab_eot(ptr)
         self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(ptr))
+        # fill-in-the-middle: prefix, suffix, middle, repository and file separator tokens (-1: none)
+        self.fim: dict[str, int] = {name: int(getattr(lib, f"llama_vocab_fim_{name}")(ptr))
+                                    for name in ("pre", "suf", "mid", "rep", "sep")}
         self._specials: list[tuple[int, str, int]] | None = None
 
     def _get(self) -> Any:

@@ -142,7 +142,7 @@ class NativeExecutor:
             self.embeds_only = is_embedding_model(self.model)
             self._embedder: Embedder | None = None
             if self.embeds_only:  # no KV cache, no generation: the embeddings context is the context
-                self._embedder = Embedder(self.model, n_threads=config.n_threads)
+                self._embedder = Embedder(self.model, n_threads=config.n_threads, pooling=config.pooling)
                 stack.callback(self._embedder.close)
                 self.ctx, self.batch = self._embedder.ctx, self._embedder.batch
             else:
@@ -182,6 +182,7 @@ class NativeExecutor:
                 stack.callback(self._drafter.close)
             self._handles = stack.pop_all()
         self._threads = config.n_threads
+        self._pooling = config.pooling
         # where the weights are; the KV cache of each layer is where its weights are (offload_kqv)
         self.placement = placement(self.model.n_gpu_layers, self.model.n_layer)
         self._gpu_decodes = self.placement != "CPU"
@@ -196,6 +197,10 @@ class NativeExecutor:
         if self.memory == "recurrent":
             self.n_cells = self.ctx.n_ctx_seq * self.n_seq_max  # no KV cells: only seq ids are scarce
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model, (config.cache_type_k, config.cache_type_v))
+        self.model_info: Mapping[str, str | int] = {
+            "description": self.model.description(), "ftype": self.model.ftype, "n_params": self.model.n_params,
+            "size": self.model.size, "n_embd": self.model.n_embd, "n_ctx_train": self.model.n_ctx_train,
+            "n_vocab": self.vocab.n_tokens}
         self.sampling = Sampling(self.ctx, self.vocab, backend=config.backend_sampling and not self.embeds_only,
                                  gpu_decodes=self._gpu_decodes)
         self._order: OrderedCells | None = None
@@ -317,9 +322,9 @@ class NativeExecutor:
     def read_state(self, seq_id: int) -> bytes:
         return self.ctx.seq_state(seq_id)
 
-    def embed(self, texts: Sequence[Sequence[int]], normalize: bool = True) -> list[list[float]]:
+    def embed(self, texts: Sequence[Sequence[int]], normalize: bool = True) -> list[Any]:
         if self._embedder is None:
-            self._embedder = Embedder(self.model, n_threads=self._threads)
+            self._embedder = Embedder(self.model, n_threads=self._threads, pooling=self._pooling)
         return self._embedder.embed(texts, normalize)
 
     def write_state(self, seq_id: int, data: bytes, *, partial: bool = False) -> bool:

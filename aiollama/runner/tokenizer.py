@@ -30,6 +30,7 @@ class VocabTokenizer:
         self.n_vocab = vocab.n_tokens
         self.bos, self.eos, self.eot = vocab.bos, vocab.eos, vocab.eot
         self.add_bos = vocab.add_bos
+        self.fim = dict(vocab.fim)
         self._specials: list[SpecialToken] | None = None
         self._guidance: Any = None
         self._lock = threading.Lock()

@@ -327,7 +327,8 @@ def _check_submit(seq: SeqState, partner: SeqState | None, n_keep: int | None, n
     if n_keep is not None and n_keep > n_ctx // 2:
         raise InvalidRequestError(f"n_keep ({n_keep}) must be at most half the context ({n_ctx // 2})")
     if len(seq.tokens) >= n_ctx and n_keep is None:
-        raise ContextFull(f"the conversation holds {len(seq.tokens)} tokens; the context has {n_ctx}")
+        raise ContextFull(f"the conversation holds {len(seq.tokens)} tokens; the context has {n_ctx}",
+                          n_prompt_tokens=len(seq.tokens), n_ctx=n_ctx)
 
 
 def record(kv: KVManager, seqs: Mapping[int, SeqState], plan: Plan, result: StepResult) -> None:

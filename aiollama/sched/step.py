@@ -247,10 +247,12 @@ class Executor(Protocol):
     # Between steps (saving and loading a conversation), with the plan's KV operations applied:
 
     fingerprint: Mapping[str, str | int]  # what a saved state must match: the model and the cache layout
+    model_info: Mapping[str, str | int]  # the model: description, ftype, n_params, size, n_embd, n_ctx_train, n_vocab
     can_shift: bool  # the memory can move positions (context shift)
 
-    def embed(self, texts: Sequence[Sequence[int]], normalize: bool) -> list[list[float]]:
-        """A pooled embedding per token list (between steps; the KV cache is not touched)."""
+    def embed(self, texts: Sequence[Sequence[int]], normalize: bool) -> list[Any]:
+        """A pooled embedding per token list, or without pooling a list of one per token (between
+        steps; the KV cache is not touched)."""
         ...
 
     def read_state(self, seq_id: int) -> bytes:

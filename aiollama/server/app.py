@@ -7,9 +7,8 @@ one conversation and share its prompt's KV cells.
 
 from __future__ import annotations
 
-import base64
+import logging
 import os
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,36 +22,64 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from aiollama import Engine
-from aiollama.errors import (
-    AiollamaError,
-)
 from aiollama.formats.chat import REASONING_FORMATS
 from aiollama.models import default_model
 from aiollama.sampling import SamplingParams
-from aiollama.server import messages, responses
+from aiollama.server import embeddings, messages, native, responses
+from aiollama.server.cors import Cors, CorsMiddleware
 from aiollama.server.generate import chat_completions, completions
 from aiollama.server.guard import Guard, Limits, load_keys
-from aiollama.server.requests import (
-    BadRequest,
-    embeddings_request,
-)
-from aiollama.server.state import State, serving_engine, translate
+from aiollama.server.requests import BadRequest
+from aiollama.server.state import State, serving_engine
 from aiollama.server.utility import apply_template, detokenize, tokenize
+
+# llama-server's routes that mean nothing here, answered as its own disabled endpoints are (501,
+# not_supported_error) with the reason: (methods, paths, reason)
+NOT_SERVED: tuple[tuple[tuple[str, ...], tuple[str, ...], str], ...] = (
+    (("GET", "POST"), ("/slots", "/slots/{id_slot}"),
+     "there are no slots here: every request is a conversation of its own, and all share one prefix cache"),
+    (("GET", "POST"), ("/lora-adapters",),
+     "adapters are loaded with --lora and chosen by each request's 'lora' field, with its scale"),
+    (("POST",), ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"), "reranking is not served yet"),
+    (("POST",), ("/audio/transcriptions", "/v1/audio/transcriptions"), "audio models are not served"),
+    (("POST",), ("/v1/chat/completions/control",), "a reply's reasoning is ended by its reasoning_budget"),
+    (("POST",), ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens", "/responses/input_tokens",
+                 "/v1/responses/input_tokens"), "/apply-template gives a chat request's prompt, /tokenize its tokens"),
+    (("GET", "POST", "DELETE"), ("/v1/stream", "/v1/streams/lookup"),
+     "streams are not kept for a client to come back to"),
+    (("POST", "GET", "DELETE"), ("/models/load", "/models/unload", "/models/sse"),
+     "a server serves one model (--replicas serves it several times)"),
+    (("POST",), ("/v1/systemone",), "not served"),
+    (("GET", "POST"), ("/cors-proxy", "/tools"), "server tools and the CORS proxy of llama-server's web UI are not served"),
+)
+LOCAL_PAGES = Cors()  # CORS for pages served from this machine, llama-server's --cors-origins localhost
 
 
 def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | None = None,
                model_name: str | None = None, retry_after: int = 1, api_keys: Iterable[str] = (),
                limits: Limits | None = None, public_metrics: bool = False, reasoning_budget: int | None = None,
                reasoning_budget_message: str = "", fetch_images: bool = False, reasoning_format: str = "auto",
-               **engine_options: Any) -> Starlette:
+               sampling: dict[str, Any] | None = None, chat_defaults: dict[str, Any] | None = None,
+               embd_normalize: int = 2, cors: Cors | None = LOCAL_PAGES, props_writable: bool = False,
+               load_in_background: bool = False, **engine_options: Any) -> Starlette:
     """The app. ``engine_options`` go to :class:`Engine` when the app owns its engine.
 
     With ``api_keys`` (or keys in ``$AIOLLAMA_API_KEY``, comma-separated) every route but
     ``/health`` (and ``/metrics`` when ``public_metrics``) needs one of them; ``limits`` bound the
     body, its nesting and the requests in flight per key (:class:`~aiollama.server.guard.Limits`).
-    ``reasoning_budget`` (and its message) and ``reasoning_format`` (llama-server's: how a reply's
-    thinking is returned) apply to every request that gives none.
+    ``reasoning_budget`` (and its message), ``reasoning_format`` (llama-server's: how a reply's
+    thinking is returned), ``sampling`` (stream parameters: llama-server's ``--temp``,
+    ``--top-k``, ``-n``...) and ``chat_defaults`` (``chat_template_kwargs``, merged under a
+    request's, and ``reasoning_effort``) apply to every request that gives none;
+    ``embd_normalize`` is ``/embedding``'s normalisation where a request gives none.
     ``fetch_images``: image_url parts may name http(s) URLs, which the server fetches.
+    ``cors``: which web pages may call the server (:class:`~aiollama.server.cors.Cors`; localhost
+    by default, None: no CORS answer at all). ``props_writable``: ``POST /props`` answers, as
+    llama-server's ``--props``. ``load_in_background``: the app answers while its engine loads
+    (``/health`` says 503 "Loading model", as llama-server's does), instead of after.
+
+    Every route is served as llama-server serves it: the OpenAI routes with and without ``/v1``,
+    and its native ``/completion``, ``/infill``, ``/embedding``, ``/props`` (docs/llama-server.md).
     """
     if engine is not None and (model is not None or engine_options):
         raise ValueError("pass either an engine or the model and options to build one, not both")
@@ -62,7 +89,15 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
     if reasoning_format not in REASONING_FORMATS:
         raise ValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}")
     state = State(model_name=name, retry_after=retry_after, engine=engine, owns_engine=engine is None, guard=guard,
-                  fetch_images=fetch_images, reasoning_format=reasoning_format)
+                  fetch_images=fetch_images, reasoning_format=reasoning_format, props_writable=props_writable,
+                  chat_defaults={k: v for k, v in (chat_defaults or {}).items() if v is not None},
+                  embd_normalize=embd_normalize)
+    unknown = set(state.chat_defaults) - {"chat_template_kwargs", "reasoning_effort"}
+    if unknown:
+        raise ValueError(f"chat_defaults takes chat_template_kwargs and reasoning_effort, not {sorted(unknown)}")
+    if sampling:
+        SamplingParams(**sampling)  # checks
+        state.defaults.update(sampling)
     if reasoning_budget is not None:
         SamplingParams(reasoning_budget=reasoning_budget, reasoning_budget_message=reasoning_budget_message)  # checks
         state.defaults.update(reasoning_budget=reasoning_budget, reasoning_budget_message=reasoning_budget_message)
@@ -75,35 +110,89 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
             finally:
                 state.responses.close()  # the stored conversations go with the app
             return
-        model_path = path if path is not None else await anyio.to_thread.run_sync(default_model)
-        async with Engine(model_path, **engine_options) as owned:
-            state.engine = owned
+        async def load() -> None:
+            model_path = path if path is not None else await anyio.to_thread.run_sync(default_model)
+            owned = Engine(model_path, **engine_options)
             try:
-                yield
-            finally:
-                state.responses.close()
-                state.engine = None
+                await owned.start()
+            except BaseException as exc:
+                state.load_error = exc
+                raise
+            state.engine = owned
 
-    routes = [
-        Route("/health", _endpoint(state, "health", _health), methods=["GET"]),
-        Route("/metrics", _endpoint(state, "metrics", _metrics), methods=["GET"]),
-        Route("/v1/models", _endpoint(state, "models", _models), methods=["GET"]),
-        Route("/v1/completions", _endpoint(state, "completions", completions), methods=["POST"]),
-        Route("/v1/chat/completions", _endpoint(state, "chat", chat_completions), methods=["POST"]),
-        Route("/v1/embeddings", _endpoint(state, "embeddings", _embeddings), methods=["POST"]),
-        Route("/v1/responses", _endpoint(state, "responses", responses.create), methods=["POST"]),
-        Route("/v1/responses/{response_id}", _endpoint(state, "responses", responses.retrieve), methods=["GET"]),
-        Route("/v1/responses/{response_id}", _endpoint(state, "responses", responses.delete), methods=["DELETE"]),
-        Route("/v1/messages", _endpoint(state, "messages", messages.create, messages.error_body), methods=["POST"]),
-        Route("/v1/messages/count_tokens", _endpoint(state, "messages", messages.count_tokens, messages.error_body),
-              methods=["POST"]),
-        Route("/tokenize", _endpoint(state, "tokenize", tokenize), methods=["POST"]),
-        Route("/detokenize", _endpoint(state, "detokenize", detokenize), methods=["POST"]),
-        Route("/apply-template", _endpoint(state, "apply_template", apply_template), methods=["POST"]),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+        try:
+            if load_in_background:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_logged, load)
+                    yield
+                    tg.cancel_scope.cancel()
+            else:
+                await load()
+                yield
+        finally:
+            state.responses.close()
+            owned, state.engine = state.engine, None
+            if owned is not None:
+                with anyio.CancelScope(shield=True):
+                    await owned.aclose()
+
+    app = Starlette(routes=_routes(state), lifespan=lifespan)
     app.state.aiollama = state
+    if cors is not None:
+        app.add_middleware(CorsMiddleware, cors=cors)
     return app
+
+
+async def _logged(load: Callable[[], Awaitable[None]]) -> None:
+    """A background load whose failure is told (the app answers 503 with it) but ends nothing."""
+    try:
+        await load()
+    except Exception:
+        logging.getLogger("aiollama.server").exception("the model failed to load")
+
+
+def _routes(state: State) -> list[Route]:
+    """Every route, under the names llama-server serves it by: the OpenAI routes with and without
+    ``/v1`` (``/completions`` without it is llama-server's native completion, as there)."""
+    def route(path: str, name: str, handler: Handler, method: str = "POST",
+              shape: Callable[[BadRequest], dict[str, Any]] = BadRequest.body) -> Route:
+        return Route(path, _endpoint(state, name, handler, shape), methods=[method])
+
+    llama = BadRequest.llama_body
+    routes = [
+        route("/health", "health", _health, "GET", llama), route("/v1/health", "health", _health, "GET", llama),
+        route("/metrics", "metrics", _metrics, "GET"),
+        route("/props", "props", native.get_props, "GET", llama), route("/props", "props", native.post_props, "POST", llama),
+        route("/completion", "completion", native.completion, shape=llama),
+        route("/completions", "completion", native.completion, shape=llama),
+        route("/infill", "infill", native.infill, shape=llama),
+        route("/embedding", "embedding", embeddings.native_route, shape=llama),
+        route("/embeddings", "embedding", embeddings.either_route, shape=llama),
+        route("/tokenize", "tokenize", tokenize), route("/detokenize", "detokenize", detokenize),
+        route("/apply-template", "apply_template", apply_template),
+        route("/v1/completions", "completions", completions),
+        route("/v1/messages", "messages", messages.create, shape=messages.error_body),
+        route("/v1/messages/count_tokens", "messages", messages.count_tokens, shape=messages.error_body),
+    ]
+    for prefix in ("/v1", ""):
+        routes += [
+            route(f"{prefix}/models", "models", _models, "GET"),
+            route(f"{prefix}/chat/completions", "chat", chat_completions),
+            route(f"{prefix}/responses", "responses", responses.create),
+            route(f"{prefix}/responses/{{response_id}}", "responses", responses.retrieve, "GET"),
+            route(f"{prefix}/responses/{{response_id}}", "responses", responses.delete, "DELETE"),
+        ]
+    routes.append(route("/v1/embeddings", "embeddings", embeddings.openai_route))
+    for methods, paths, reason in NOT_SERVED:
+        for path in paths:
+            routes.append(Route(path, _endpoint(state, "not_served", _refuse(reason), llama), methods=list(methods)))
+    return routes
+
+
+def _refuse(reason: str) -> Handler:
+    async def refuse(state: State, request: HttpRequest) -> Response:
+        raise BadRequest(f"{request.url.path} is not supported by this server: {reason}", status=501)
+    return refuse
 
 
 Handler = Callable[[State, HttpRequest], Awaitable[Response]]
@@ -126,6 +215,8 @@ def _endpoint(state: State, name: str, handler: Handler,
 
 
 async def _health(state: State, request: HttpRequest) -> Response:
+    """``{"status": "ok"}`` while serving; a 503 while the model loads (llama-server's answer) or
+    after it failed to."""
     serving_engine(state)
     return JSONResponse({"status": "ok"})
 
@@ -137,20 +228,3 @@ async def _metrics(state: State, request: HttpRequest) -> Response:
 async def _models(state: State, request: HttpRequest) -> Response:
     return JSONResponse({"object": "list", "data": [
         {"id": state.name(), "object": "model", "created": 0, "owned_by": "aiollama"}]})
-
-
-async def _embeddings(state: State, request: HttpRequest) -> Response:
-    """``/v1/embeddings``: ``input`` is a string, a list of them, or token ids; ``encoding_format``
-    "float" or "base64" (little-endian float32, as OpenAI's clients decode it)."""
-    texts, encoding = embeddings_request(await state.guard.read_json(request))
-    engine = serving_engine(state)
-    try:
-        vectors = await engine.embed(texts)
-        n_tokens = sum(len(engine.tokenize(t, add_special=True)) if isinstance(t, str) else len(t) for t in texts)
-    except AiollamaError as exc:
-        raise translate(exc) from None
-    data = [{"object": "embedding", "index": i,
-             "embedding": base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if encoding == "base64" else v}
-            for i, v in enumerate(vectors)]
-    return JSONResponse({"object": "list", "data": data, "model": state.name(),
-                         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})

@@ -14,8 +14,8 @@ from aiollama.server.requests import (
     REASONING_FORMATS,
     BadRequest,
     Request,
-    integer_field,
     common_request,
+    integer_field,
     json_object,
 )
 

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -16,13 +16,23 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from aiollama import Chunk, Conversation, Stream, TokenLogprob
+from aiollama import Chunk, Conversation, Engine, SamplingParams, Stream, TokenLogprob
 from aiollama.errors import (
     AiollamaError,
 )
 from aiollama.sampling import seed_for
-from aiollama.server.images import read_images
 from aiollama.server.chat_request import chat_request
+from aiollama.server.images import read_images
+from aiollama.server.llama_shape import (
+    BUILD_INFO,
+    Clock,
+    Outcome,
+    final_result,
+    generation_settings,
+    probabilities,
+    prompt_text,
+)
+from aiollama.server.native_request import Native, llama_fields
 from aiollama.server.requests import (
     BadRequest,
     Request,
@@ -41,11 +51,20 @@ from aiollama.server.state import (
 
 
 async def completions(state: State, request: HttpRequest) -> Response:
-    return await _serve(state, request, completion_request(await state.guard.read_json(request)), chat=False)
+    body = await state.guard.read_json(request)
+    return await _serve(state, request, _with_llama_fields(state, body, completion_request(body)), chat=False)
 
 
 async def chat_completions(state: State, request: HttpRequest) -> Response:
-    return await _serve(state, request, chat_request(await state.guard.read_json(request)), chat=True)
+    body = await state.guard.read_json(request)
+    return await _serve(state, request, _with_llama_fields(state, body, chat_request(body)), chat=True)
+
+
+def _with_llama_fields(state: State, body: dict[str, Any], req: Request) -> Request:
+    """``req`` with the llama.cpp fields of its body (``n_predict`` over ``max_tokens``...)."""
+    req.llama = llama_fields(body, n_slots=serving_engine(state).config.n_seq_max)
+    req.params.update(req.llama.params)
+    return req
 
 
 @dataclass
@@ -61,6 +80,9 @@ class _Job:
     streams: list[Stream]
     started: float
     choices: list[ChatChoice | TextChoice]
+    llama: Native = field(default_factory=Native)  # llama.cpp's fields of the request
+    clocks: list[Clock] = field(default_factory=list)  # each choice's llama-server timings
+    verbose: Callable[[int, Any], dict[str, Any]] | None = None  # llama-server's __verbose of a choice
     release: Callable[[], None] = lambda: None  # gives back the request's place in its key's limit
 
     async def close(self) -> None:
@@ -84,6 +106,11 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
                                  "no response_format, grammar or json_schema with it", param="tool_choice")
             effort_of(engine, req.reasoning_effort, "reasoning_effort")
             n_prompt = root.append_chat(req.messages, **state.chat(req.chat_options()))
+        elif req.suffix is not None:  # fill in the middle, between the prompt and the suffix
+            assert req.prompt is not None
+            middle = engine.infill_tokens(req.prompt, req.suffix, n_predict=req.params.get("max_tokens") or -1)
+            root.prompt(middle)
+            n_prompt = len(middle)
         else:
             tokens = engine.tokenize(req.prompt, add_special=True) if isinstance(req.prompt, str) else req.prompt
             assert tokens is not None
@@ -95,10 +122,12 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
             convs = [root.fork() for _ in range(req.n)]  # the choices share the prompt's cells
         streams = []
         for i, conv in enumerate(convs):
-            params = state.params(req.params)
+            params = state.params(req.params, req.defaults)
             if "seed" in params:
                 params["seed"] = seed_for(params["seed"], i)
             streams.append(conv.stream(**params))
+        llama = req.llama or Native()
+        verbose = _verbose(state, engine, llama, req, streams[0], root) if llama.verbose else None
     except BaseException as exc:
         for conv in {root, *convs}:
             conv.close_nowait()
@@ -114,7 +143,27 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
                         scored=_scored(stream) if req.params.get("logprobs") else None)
         for i, stream in enumerate(streams)]
     return _Job(prefix + uuid.uuid4().hex, chat, state.name(), int(time.time()), n_prompt, convs, streams,
-                time.perf_counter(), choices)
+                time.perf_counter(), choices, llama, [Clock() for _ in streams], verbose)
+
+
+def _verbose(state: State, engine: Engine, llama: Native, req: Request, stream: Stream,
+             conv: Conversation) -> Callable[[int, Any], dict[str, Any]]:
+    """llama-server's ``__verbose`` of a choice: its native final result, with the prompt as
+    evaluated and the sampling settings in force."""
+    prompt_tokens = conv.tokens
+    settings = generation_settings(SamplingParams(**state.params(req.params, req.defaults)), stream=req.stream,
+                                   n_probs=llama.n_probs, timings_per_token=llama.timings_per_token)
+
+    def verbose(index: int, done: Any) -> dict[str, Any]:
+        outcome = Outcome(done.text, list(done.tokens), done.finish_reason, done.stop_sequence, done.stats,
+                          stream.truncated, list(done.logprobs))
+        clock = Clock(predicted=len(done.tokens))
+        return final_result(outcome, index=index, id_slot=-1, model=state.name(),
+                            prompt=prompt_text(engine.token_bytes, prompt_tokens), n_prompt=len(prompt_tokens),
+                            settings=settings,
+                            clock=clock, token_bytes=engine.token_bytes, return_tokens=False, stream=False,
+                            n_probs=llama.n_probs)
+    return verbose
 
 
 def _scored(stream: Stream) -> Callable[[], list[TokenLogprob]]:
@@ -124,8 +173,8 @@ def _scored(stream: Stream) -> Callable[[], list[TokenLogprob]]:
 Item = tuple[int, Chunk | AiollamaError | None]
 
 
-async def _pump(job: _Job, state: State, send: MemoryObjectSendStream[Item]) -> None:
-    """Every choice's chunks, in arrival order, as (index, chunk); (index, None) when it ends, with
+async def _pump(streams: list[Stream], started: float, state: State, send: MemoryObjectSendStream[Item]) -> None:
+    """Every stream's chunks, in arrival order, as (index, chunk); (index, None) when it ends, with
     its finish reason on the stream; (index, error) if it fails."""
     first = True
 
@@ -141,7 +190,7 @@ async def _pump(job: _Job, state: State, send: MemoryObjectSendStream[Item]) -> 
                         now = time.perf_counter()
                         if first:
                             first = False
-                            metrics.time_to_first_token.observe(now - job.started)
+                            metrics.time_to_first_token.observe(now - started)
                         if last:
                             for _ in chunk.tokens:  # a chunk of several tokens (a draft taken) shares its gap
                                 metrics.inter_token_latency.observe((now - last) / len(chunk.tokens))
@@ -154,21 +203,22 @@ async def _pump(job: _Job, state: State, send: MemoryObjectSendStream[Item]) -> 
             finally:
                 if stream.stats is not None:
                     metrics.queue_time.observe(stream.stats.queue_seconds)
-                    metrics.e2e_latency.observe(time.perf_counter() - job.started)
+                    metrics.e2e_latency.observe(time.perf_counter() - started)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the response stopped reading: it is closing the job
 
     async with send, anyio.create_task_group() as tg:
-        for i, stream in enumerate(job.streams):
+        for i, stream in enumerate(streams):
             tg.start_soon(one, i, stream)
 
 
 @asynccontextmanager
-async def _items(job: _Job, state: State) -> AsyncIterator[MemoryObjectReceiveStream[Item]]:
-    """The job's items as they arrive, pumped by tasks that end with the block."""
+async def stream_items(streams: list[Stream], started: float,
+                       state: State) -> AsyncIterator[MemoryObjectReceiveStream[Item]]:
+    """The streams' items as they arrive, pumped by tasks that end with the block."""
     send, receive = anyio.create_memory_object_stream[Item](64)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_pump, job, state, send)
+        tg.start_soon(_pump, streams, started, state, send)
         async with receive:
             yield receive
         tg.cancel_scope.cancel()
@@ -203,6 +253,7 @@ async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -
         for chunk in chunks:
             job.choices[i].feed(chunk)
         n_tokens = sum(len(chunk.tokens) for chunk in chunks)
+        job.clocks[i].tokens(n_tokens)
         completion_tokens += n_tokens
         _observe_whole(state, job, stream, n_tokens)
 
@@ -223,7 +274,16 @@ async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -
         return Response(status_code=499)  # the client went away; nobody reads this
     choices = [choice.message(job.streams[i].finish_reason) for i, choice in enumerate(job.choices)]
     body: dict[str, Any] = {"id": job.id, "object": "chat.completion" if chat else "text_completion", "created": job.created,
-            "model": job.model, "choices": choices, "usage": _usage(job, completion_tokens)}
+            "model": job.model, "system_fingerprint": BUILD_INFO, "choices": choices,
+            "usage": _usage(job, completion_tokens)}
+    body["timings"] = job.clocks[0].timings(job.streams[0].stats)
+    if job.llama.n_probs or job.verbose is not None:
+        done = [await stream for stream in job.streams]  # ended: what each gave, at once
+        if job.llama.n_probs:  # llama-server's shape of the log-probabilities it asks for
+            for choice, completion in zip(choices, done):
+                choice["logprobs"] = {"content": probabilities(completion.logprobs, job.choices[0].token_bytes)}
+        if job.verbose is not None:
+            body["__verbose"] = job.verbose(0, done[0])
     if req.prompt_logprobs is not None:  # vLLM's place: beside the choices for chat, in each for completions
         scored = [prompt_logprobs(s.prompt_logprobs, job.choices[0].token_bytes, req.prompt_logprobs)
                   for s in job.streams]
@@ -278,7 +338,7 @@ async def _events(job: _Job, state: State, req: Request) -> AsyncIterator[str]:
 
     def event(choices: list[dict[str, Any]], **extra: Any) -> str:
         payload = {"id": job.id, "object": kind, "created": job.created, "model": job.model,
-                   "choices": choices, **extra}
+                   "system_fingerprint": BUILD_INFO, "choices": choices, **extra}
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     completion_tokens = 0
@@ -289,7 +349,7 @@ async def _events(job: _Job, state: State, req: Request) -> AsyncIterator[str]:
             yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for i in range(len(job.streams))])
         error: AiollamaError | None = None
-        async with _items(job, state) as items:
+        async with stream_items(job.streams, job.started, state) as items:
             async for i, item in items:
                 if isinstance(item, AiollamaError):
                     error = item
@@ -301,13 +361,31 @@ async def _events(job: _Job, state: State, req: Request) -> AsyncIterator[str]:
                                            req.prompt_logprobs)
                     yield (event([], prompt_logprobs=rows) if job.chat else event(
                         [{"index": i, "text": "", "logprobs": None, "finish_reason": None, "prompt_logprobs": rows}]))
+                llama, clock = job.llama, job.clocks[i]
                 if item is None:
-                    for delta in job.choices[i].finish(job.streams[i].finish_reason):
-                        yield event([delta])
+                    extra: dict[str, Any] = {"timings": clock.timings(job.streams[i].stats)}
+                    if job.verbose is not None:
+                        extra["__verbose"] = job.verbose(i, await job.streams[i])
+                    deltas = job.choices[i].finish(job.streams[i].finish_reason)
+                elif item.progress is not None:  # the prompt's evaluation so far
+                    progress = clock.progress(item.progress)
+                    if not llama.return_progress:
+                        continue
+                    deltas = [{"index": i, "delta": {"role": "assistant", "content": None}, "logprobs": None,
+                               "finish_reason": None} if job.chat else
+                              {"index": i, "text": "", "logprobs": None, "finish_reason": None}]
+                    extra = {"prompt_progress": progress}
+                    if llama.timings_per_token:
+                        extra["timings"] = clock.timings()
                 else:
                     completion_tokens += len(item.tokens)
-                    for delta in job.choices[i].feed(item):
-                        yield event([delta])
+                    clock.tokens(len(item.tokens))
+                    deltas = job.choices[i].feed(item)
+                    if deltas and llama.n_probs and item.logprobs:
+                        deltas[-1]["logprobs"] = {"content": probabilities(item.logprobs, job.choices[i].token_bytes)}
+                    extra = {"timings": clock.timings()} if llama.timings_per_token else {}
+                for k, delta in enumerate(deltas):  # the extra fields go with the last
+                    yield event([delta], **(extra if k == len(deltas) - 1 else {}))
         if error is not None:
             yield f"data: {json.dumps(translate(error).body())}\n\n"
         if req.include_usage:

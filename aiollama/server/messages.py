@@ -25,6 +25,7 @@ from aiollama.server.messages_request import MessagesRequest, messages_request
 from aiollama.server.requests import BadRequest, message_text
 from aiollama.server.shape import ChatChoice
 from aiollama.server.state import (
+    CHAT_DEFAULTS,
     State,
     check_prompt_size,
     effort_of,
@@ -169,7 +170,7 @@ def _start(state: State, req: MessagesRequest) -> Reply:
     check_prompt_size(state, engine, [message_text(m) for m in req.messages], engine.n_ctx)
     conv = engine.conversation()
     try:
-        stream = conv.chat(req.messages, **state.chat(chat_options(engine, req)), **state.params(req.params))
+        stream = conv.chat(req.messages, **state.chat(chat_options(engine, req)), **state.params(req.params, CHAT_DEFAULTS))
     except BaseException as exc:
         conv.close_nowait()
         if isinstance(exc, AiollamaError):

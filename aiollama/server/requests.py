@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,16 +14,34 @@ MAX_N = 16
 MAX_STOP = 4
 
 
-class BadRequest(Exception):
-    """A request the API refuses: its status, message, parameter and OpenAI error code."""
+# llama-server's error types by status (its native endpoints answer them with the status as code)
+LLAMA_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                     501: "not_supported_error", 503: "unavailable_error"}
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400) -> None:
+
+class BadRequest(Exception):
+    """A request the API refuses: its status, message, parameter and OpenAI error code; ``extra``
+    fields go into the error object (llama-server's ``n_prompt_tokens`` and ``n_ctx`` of a prompt
+    that does not fit)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400,
+                 extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.code, self.status = message, param, code, status
+        self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        """OpenAI's error object."""
+        kind = "authentication_error" if self.status == 401 else \
+            "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code,
+                          **self.extra}}
+
+    def llama_body(self) -> dict[str, Any]:
+        """llama-server's error object, for its native endpoints."""
+        kind = "exceed_context_size_error" if self.code == "context_length_exceeded" else \
+            LLAMA_ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"code": self.status, "message": self.message, "type": kind, **self.extra}}
 
 
 @dataclass
@@ -47,6 +66,9 @@ class Request:
     echo: bool = False  # legacy completions: the prompt comes back before the completion
     prompt_logprobs: int | None = None  # vLLM's: the prompt's tokens scored, in the response
     lora: list[tuple[str | int, float]] = field(default_factory=list)  # adapters by name or index, scales
+    defaults: dict[str, Any] = field(default_factory=dict)  # the API's own, under the server's (--temp, -n)
+    suffix: str | None = None  # legacy completions: the text after the completion (fill-in-the-middle)
+    llama: Any = None  # llama.cpp's fields (native_request.Native), set by the route
 
     def chat_options(self) -> dict[str, Any]:
         """What ``Conversation.append_chat`` takes besides the messages."""
@@ -78,17 +100,16 @@ def integer_field(body: dict[str, Any], name: str, low: int, high: int | None = 
     return value
 
 
-def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     params: dict[str, Any] = {}
     max_tokens = integer_field(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = integer_field(body, "max_tokens", 1)
-    if max_tokens is None:
-        max_tokens = default_max_tokens
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
     temperature = _number(body, "temperature", 0.0, 2.0)
-    params["temperature"] = 1.0 if temperature is None else temperature
+    if temperature is not None:
+        params["temperature"] = temperature
     top_p = _number(body, "top_p", 0.0, 1.0)
     if top_p is not None:
         if top_p == 0.0:
@@ -160,8 +181,13 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None
-    if kind == "json_object":
-        return {"type": "object"}
+    if kind == "json_object":  # llama-server's: a "schema" beside it constrains the object further
+        schema = value.get("schema")
+        if schema is None:
+            return {"type": "object"}
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format.schema must be a JSON object", param="response_format.schema")
+        return schema
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -172,7 +198,9 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     raise BadRequest("response_format.type must be 'text', 'json_object' or 'json_schema'", param="response_format")
 
 
-UNSUPPORTED = ("functions", "suffix")  # refused rather than ignored: the answer would differ
+UNSUPPORTED = ("functions",)  # refused rather than ignored: the answer would differ
+# llama.cpp's fields that llama-server's OpenAI routes take besides OpenAI's (native_request.llama_fields)
+LLAMA_FIELDS = ("n_predict", "n_probs", "id_slot", "timings_per_token", "return_progress", "verbose")
 
 # The fields each endpoint reads. Any other field is refused with a 400 naming it, never dropped.
 COMMON_FIELDS = frozenset({
@@ -180,10 +208,10 @@ COMMON_FIELDS = frozenset({
     "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias", "response_format", "best_of",
     "top_k", "min_p", "repeat_penalty", "grammar", "json_schema", "priority", "ignore_eos", "cache_prompt",
     "reasoning_budget", "reasoning_budget_message", "cache_salt", "prompt_logprobs", "lora",
-    *UNSUPPORTED,
+    *UNSUPPORTED, *LLAMA_FIELDS,
     "user", "metadata",  # informational: they change nothing in the answer
 })
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                                "chat_template_kwargs", "reasoning_effort", "reasoning_format", "continue_final_message",
                                "add_generation_prompt"}
@@ -233,22 +261,23 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    params = _sampling(body, default_max_tokens)
+    params = _sampling(body)
     if body.get("ignore_eos"):
         params["ignore_eos"] = True
-    if default_max_tokens is None and "max_tokens" not in params:
-        params["max_tokens"] = None  # until the model ends its turn or the context is full
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+    if body.get("cache_prompt") is False and salt is None:
+        salt = uuid.uuid4().hex  # llama-server's cache_prompt false: no cached prefix is shared
     scored = integer_field(body, "prompt_logprobs", 0, 20)
     if scored is not None:
         params["prompt_logprobs"] = scored
     return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")), params=params,
-                   cache_salt=salt, prompt_logprobs=scored, lora=_lora(body.get("lora")))
+                   cache_salt=salt, prompt_logprobs=scored, lora=lora_list(body.get("lora")),
+                   defaults={"max_tokens": default_max_tokens})  # None: to the turn's end
 
 
-def _lora(value: Any) -> list[tuple[str | int, float]]:
+def lora_list(value: Any) -> list[tuple[str | int, float]]:
     """llama-server's ``lora``: ``[{"id": index, "scale": s}]``, or ``{"name": ..., "scale": s}``."""
     bad = BadRequest("'lora' must be a list of {'id' or 'name', 'scale'} objects", param="lora")
     if value is None:
@@ -276,6 +305,13 @@ def completion_request(body: Any) -> Request:
     if not isinstance(echo, bool):
         raise BadRequest("'echo' must be a boolean", param="echo")
     request.echo = echo
+    suffix = body.get("suffix")
+    if suffix is not None:
+        if not isinstance(suffix, str):
+            raise BadRequest("'suffix' must be a string", param="suffix")
+        if echo:
+            raise BadRequest("'suffix' and 'echo' cannot be combined", param="suffix")
+        request.suffix = suffix
     if echo and logprobs is not None:  # the prompt's tokens get log-probabilities too
         request.params["prompt_logprobs"] = max(logprobs, request.prompt_logprobs or 0)
     prompt = body.get("prompt")

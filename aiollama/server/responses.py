@@ -20,7 +20,7 @@ import anyio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from aiollama import Chunk, Conversation, FinishReason, Stream
+from aiollama import Chunk, Conversation, FinishReason, SamplingParams, Stream
 from aiollama.errors import AiollamaError
 from aiollama.server.generate import cancel_on_disconnect
 from aiollama.server.images import read_images
@@ -28,6 +28,7 @@ from aiollama.server.requests import BadRequest, message_text
 from aiollama.server.responses_request import ResponsesRequest, responses_request
 from aiollama.server.shape import ChatChoice
 from aiollama.server.state import (
+    CHAT_DEFAULTS,
     State,
     check_prompt_size,
     effort_of,
@@ -165,7 +166,10 @@ def _start(state: State, req: ResponsesRequest) -> Turn:
     try:
         options = {"tools": req.tools, "tool_choice": req.tool_choice,
                    "reasoning_effort": effort_of(engine, req.reasoning_effort, "reasoning.effort")}
-        stream = conv.chat(messages, **state.chat(options), **state.params(req.params))
+        params = state.params(req.params, CHAT_DEFAULTS)
+        req.echo.update(temperature=params.get("temperature", SamplingParams.temperature),
+                        top_p=params.get("top_p", SamplingParams.top_p))  # in force, the server's defaults in
+        stream = conv.chat(messages, **state.chat(options), **params)
     except BaseException as exc:
         conv.close_nowait()
         if isinstance(exc, AiollamaError):

@@ -22,6 +22,9 @@ from aiollama.server.metrics import Metrics
 from aiollama.server.requests import BadRequest
 from aiollama.server.store import ResponseStore
 
+# a chat reply runs to the turn's end; the sampling defaults are llama-server's (the engine's)
+CHAT_DEFAULTS: dict[str, Any] = {"max_tokens": None}
+
 
 @dataclass
 class State:
@@ -37,6 +40,10 @@ class State:
     defaults: dict[str, Any] = field(default_factory=dict)  # stream parameters a request may override
     fetch_images: bool = False  # image_url parts may name http(s) URLs for the server to fetch
     reasoning_format: str = "auto"  # how replies' thinking is returned, where a request does not say
+    props_writable: bool = False  # POST /props answers (it changes nothing), as llama-server's --props
+    load_error: BaseException | None = None  # why the engine the app loads failed to start
+    chat_defaults: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, reasoning_effort
+    embd_normalize: int = 2  # /embedding's normalisation where a request gives none
     metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -53,13 +60,23 @@ class State:
         if self.owns_engine and self.engine is not None:
             await self.engine.aclose()
 
-    def params(self, given: dict[str, Any]) -> dict[str, Any]:
-        """A request's stream parameters over the server's defaults (``--reasoning-budget``...)."""
-        return {**self.defaults, **given}
+    def params(self, given: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+        """A request's stream parameters over the server's defaults (``--temp``, ``-n``,
+        ``--reasoning-budget``...) over the API's own (``base``: OpenAI's temperature 1, and no
+        length limit for chat; llama-server's native endpoints have the engine's, which are
+        llama-server's)."""
+        return {**base, **self.defaults, **given}
 
     def chat(self, given: dict[str, Any]) -> dict[str, Any]:
-        """A request's chat options over the server's defaults (``--reasoning-format``)."""
-        return {"reasoning_format": self.reasoning_format, **given}
+        """A request's chat options over the server's defaults (``--reasoning-format``,
+        ``--reasoning-effort``, and ``--chat-template-kwargs`` under the request's own)."""
+        out = {"reasoning_format": self.reasoning_format, **given}
+        for name, value in self.chat_defaults.items():
+            if name == "chat_template_kwargs":
+                out[name] = {**value, **(given.get(name) or {})}
+            elif given.get(name) is None:
+                out[name] = value
+        return out
 
     def statistics(self) -> Statistics | None:
         try:
@@ -112,14 +129,19 @@ def serving_engine(state: State) -> Engine:
     engine = state.engine
     if engine is not None and engine.serving:
         return engine
+    if state.load_error is not None:
+        raise BadRequest(f"the model failed to load: {state.load_error}", status=503, code="unavailable")
+    if engine is None and state.owns_engine:
+        raise BadRequest("Loading model", status=503, code="unavailable")  # llama-server's words
     raise BadRequest("the engine is not serving", status=503, code="unavailable")
 
 
 def translate(exc: AiollamaError) -> BadRequest:
     if isinstance(exc, Overloaded):
         return BadRequest(str(exc), status=503, code="overloaded")
-    if isinstance(exc, ContextFull):
-        return BadRequest(str(exc), code="context_length_exceeded")
+    if isinstance(exc, ContextFull):  # with llama-server's fields where the engine knows them
+        extra = {} if exc.n_ctx is None else {"n_prompt_tokens": exc.n_prompt_tokens, "n_ctx": exc.n_ctx}
+        return BadRequest(str(exc), code="context_length_exceeded", extra=extra)
     if isinstance(exc, InvalidRequestError):
         return BadRequest(str(exc))
     if isinstance(exc, (ClosedError, EngineDead)):
