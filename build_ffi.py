@@ -199,6 +199,7 @@ int32_t llama_model_n_ctx_train(const struct llama_model * model);
 int32_t llama_model_n_embd(const struct llama_model * model);
 int32_t llama_model_n_layer(const struct llama_model * model);
 int32_t llama_model_n_head(const struct llama_model * model);
+int32_t llama_model_n_head_kv(const struct llama_model * model);
 int32_t llama_model_n_swa(const struct llama_model * model);
 int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
 uint64_t llama_model_size(const struct llama_model * model);

@@ -68,7 +68,7 @@ _EXPORTS = {
     "WrongEventLoop": "aiollama.errors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 - a list, built from the lazy table
 
 
 def __getattr__(name: str) -> Any:

@@ -23,6 +23,9 @@ POOLING_TYPES = ("none", "mean", "cls", "last")
 
 # the KV cache element types llama.cpp can use (llama-server's --cache-type-k/-v)
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# ... and the bytes each element takes (a quantized block of 32 elements shares its scales)
+CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                    "q5_0": 22 / 32, "q5_1": 24 / 32}
 
 # llama.cpp reserves an output row of n_vocab floats per seq id; the default spends this much on them.
 OUTPUT_ROWS_BYTES = 64 * 2**20
@@ -46,7 +49,8 @@ class EngineConfig:
     when the context needs their cells (0 turns it off: they are dropped and evaluated again when
     needed). ``checkpoint_bytes`` is the host memory for checkpoints of recurrent states, with a
     recurrent or hybrid model (Mamba, LFM2, Granite-4.0-H, Qwen3.5...): with none (0), a rewind or a
-    prefix that ends before what a holder holds evaluates from the start. ``context_shift`` is the default policy for a history that outgrows the context: False
+    prefix that ends before what a holder holds evaluates from the start. ``context_shift`` is the
+    default policy for a history that outgrows the context: False
     raises ``ContextFull`` (a generation that reaches the end finishes with ``length``); True keeps
     the first ``n_keep`` tokens and drops the older half of the rest. Streams may choose otherwise.
     ``draft_tokens`` > 0 turns on n-gram speculation: decode steps carry drafts of up to that many

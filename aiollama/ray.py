@@ -22,6 +22,8 @@ engine's batch, and as many waiting their turn inside it.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import json
 import random
@@ -41,15 +43,13 @@ from ray.serve.request_router import (
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
-from aiollama import Engine
+from aiollama import Engine, EngineConfig
 
 SESSION_HEADER = "x-session-id"
 REPLICA_HEADER = "x-aiollama-replica"  # on every response: the replica that served it
 MAX_KEYS = 100_000  # affinity entries a router remembers (least recently used go first)
-ENGINE_OPTIONS = {"n_ctx": int, "n_seq_max": int, "n_batch": int, "step_tokens": int, "n_threads": int,
-                  "n_gpu_layers": int, "max_queued": int, "host_cache_bytes": int, "draft_tokens": int,
-                  "deterministic": bool, "context_shift": bool, "draft_model": str,
-                  "backend_sampling": bool, "kv_unified": bool}
+# the engine's options (EngineConfig's fields), and how ``serve run``'s strings are read for each
+ENGINE_OPTIONS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name != "model_path"}
 
 
 @dataclass
@@ -63,11 +63,28 @@ class Forwarded:
     body: bytes
     keys: tuple[str, ...] = ()  # affinity keys, the most specific (longest prefix) first
     record: tuple[str, ...] = ()  # the keys this request's conversation will continue from
+    holder: str | None = None  # the replica that holds the stored response this request names
 
     @classmethod
     def of(cls, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> Forwarded:
         lookup, record = affinity_keys(headers, body)
-        return cls(method, path, query, headers, body, lookup, record)
+        return cls(method, path, query, headers, body, lookup, record, holder_of(path, body))
+
+
+def holder_of(path: str, body: bytes) -> str | None:
+    """The replica a request must reach: the one that holds the stored response it continues
+    (``previous_response_id``), reads or deletes (``/v1/responses/{id}``); its id names it."""
+    from aiollama.server.responses import replica_of
+
+    if "/responses/" in path:
+        return replica_of(path.rsplit("/", 1)[-1])
+    if not body or b"previous_response_id" not in body:
+        return None
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    return replica_of(request.get("previous_response_id")) if isinstance(request, dict) else None
 
 
 def _digest(value: Any) -> str:
@@ -78,7 +95,8 @@ def affinity_keys(headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[tupl
     """What a request's conversation is known by: (keys to look up, most specific first; keys to
     remember for its next turn). A session header or ``user`` names the conversation outright;
     otherwise chat messages are keyed by every prefix of the list (a next turn starts with this
-    turn's messages and the reply), and a text prompt by its 256-character blocks."""
+    turn's messages and the reply), and a text prompt by its 256-character blocks. Every key is
+    the request's ``cache_salt``'s: a tenant's conversation is never routed by another's keys."""
     session = next((v.decode("latin-1") for k, v in headers if k.lower() == SESSION_HEADER.encode()), None)
     try:
         request = json.loads(body) if body else {}
@@ -86,18 +104,20 @@ def affinity_keys(headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[tupl
         return (), ()
     if not isinstance(request, dict):
         return (), ()
+    salt = request.get("cache_salt")
+    tenant = f"{_digest(salt)}:" if isinstance(salt, str) and salt else ""
     user = request.get("user")
     named = f"session:{session}" if session else (f"user:{user}" if isinstance(user, str) and user else None)
     if named is not None:
-        return (named,), (named,)
+        return (tenant + named,), (tenant + named,)
     messages = request.get("messages")
     if isinstance(messages, list) and messages:
-        keys = [f"chat:{_digest(messages[:n])}" for n in range(len(messages), 0, -1)]
+        keys = [f"{tenant}chat:{_digest(messages[:n])}" for n in range(len(messages), 0, -1)]
         return tuple(keys), (keys[0],)
     prompt = request.get("prompt")
     if isinstance(prompt, str) and prompt:
         ends = list(range(len(prompt), 0, -256))
-        keys = [f"text:{_digest(prompt[:n // 256 * 256])}" for n in ends if n >= 256]
+        keys = [f"{tenant}text:{_digest(prompt[:n // 256 * 256])}" for n in ends if n >= 256]
         return tuple(keys), tuple(keys[:1])
     return (), ()
 
@@ -125,6 +145,11 @@ class PrefixAffinityRouter(RequestRouter):
             return []
         by_load = sorted(candidate_replicas, key=lambda r: (self._load(r), random.random()))  # ties: any
         request = _forwarded(pending_request)
+        if request is not None and request.holder is not None:
+            holder = next((r for r in candidate_replicas if r.replica_id.unique_id == request.holder), None)
+            if holder is not None:
+                return [[holder]]  # only it holds the conversation: it answers, whatever its load
+            # the holder is gone: any replica answers that the response is not there (a 404)
         chosen = by_load[0]
         if request is not None:
             by_id = {r.replica_id: r for r in candidate_replicas}
@@ -171,11 +196,14 @@ def _forwarded(pending_request: PendingRequest | None) -> Forwarded | None:
 class EngineReplica:
     """One engine and the OpenAI API of :mod:`aiollama.server` around it, driven in-process."""
 
-    def __init__(self, model: str | None, engine_options: Mapping[str, Any]) -> None:
+    def __init__(self, model: str | None, engine_options: Mapping[str, Any],
+                 app_options: Mapping[str, Any] | None = None) -> None:
         self._model = model
         self._options = dict(engine_options)
+        self._app_options = {"model_name": self._name(), **(app_options or {})}
         self._engine: Engine | None = None
         self._app: Any = None
+        self._lifespan: asyncio.Future[None] | None = None
 
     async def _started(self) -> Any:
         if self._app is None:
@@ -183,13 +211,16 @@ class EngineReplica:
 
             engine = Engine(self._model, **self._options)
             await engine.start()
-            self._engine, self._app = engine, create_app(engine=engine, model_name=self._name())
+            replica = "".join(c for c in self._id() if c.isalnum())
+            app = create_app(engine=engine, replica=replica, **self._app_options)
+            self._lifespan = asyncio.ensure_future(_live(app))  # the app's background work: the store's sweep
+            self._engine, self._app = engine, app
         return self._app
 
-    def _name(self) -> str:
+    def _name(self) -> str | None:
         from pathlib import Path
 
-        return Path(self._model).stem if self._model else ""
+        return Path(self._model).stem if self._model else None
 
     async def handle(self, request: Forwarded) -> AsyncIterator[dict[str, Any] | bytes]:
         """Run the request through the app: first ``{"status", "headers"}``, then body chunks."""
@@ -215,8 +246,16 @@ class EngineReplica:
             raise RuntimeError("the engine stopped serving")
 
     async def __del__(self) -> None:
+        if self._lifespan is not None:
+            self._lifespan.cancel()
         if self._engine is not None:
             await self._engine.aclose()
+
+
+async def _live(app: Any) -> None:
+    """Run ``app``'s lifespan until cancelled (Ray drives its requests, not a server)."""
+    async with app.router.lifespan_context(app):
+        await asyncio.Event().wait()
 
 
 async def _drive(app: Any, scope: dict[str, Any], body: bytes) -> AsyncIterator[dict[str, Any] | bytes]:
@@ -282,15 +321,20 @@ class Ingress:
 
 def build_app(model: Any = None, *, replicas: int = 1, n_seq_max: int = 16, max_ongoing_requests: int | None = None,
               autoscaling_config: Mapping[str, Any] | None = None, ray_actor_options: Mapping[str, Any] | None = None,
-              imbalance: int = 8, **engine_options: Any) -> Any:
+              imbalance: int = 8, app_options: Mapping[str, Any] | None = None, **engine_options: Any) -> Any:
     """A Serve application of ``replicas`` engine replicas behind one ingress.
 
     ``model`` is a .gguf path (None: the default model). ``engine_options`` go to each replica's
     :class:`Engine` (``n_ctx``, ``n_threads``, ``n_gpu_layers``...). ``autoscaling_config`` (Ray
     Serve's, with ``min_replicas`` and ``max_replicas``) replaces the fixed ``replicas``;
     ``ray_actor_options`` sets each replica's resources (``{"num_cpus": 8}`` or ``{"num_gpus": 1}``).
-    ``serve run aiollama.ray:build_app model=... replicas=2 n_ctx=8192`` passes its arguments as one
-    mapping of strings, which is accepted too.
+    ``app_options`` go to each replica's :func:`aiollama.server.create_app` (``reasoning_budget``,
+    ``sampling``, ``responses_max``...). ``serve run aiollama.ray:build_app model=... replicas=2
+    n_ctx=8192`` passes its arguments as one mapping of strings, which is accepted too.
+
+    A stored response (``/v1/responses``) lives in the replica that made it, and its id names that
+    replica: a follow-up, a read and a delete go there whatever its load; if it is gone, the
+    answer is a 404.
     """
     if isinstance(model, Mapping):  # serve run's application builder: one dict of strings
         args = dict(model)
@@ -303,6 +347,7 @@ def build_app(model: Any = None, *, replicas: int = 1, n_seq_max: int = 16, max_
     unknown = sorted(set(engine_options) - set(ENGINE_OPTIONS))
     if unknown:
         raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
+    EngineConfig.from_options(model, n_seq_max=n_seq_max, **engine_options)  # each value checked now, not in a replica
     ongoing = max_ongoing_requests or 2 * n_seq_max
     router: Any = f"{__name__}.PrefixAffinityRouter"  # an import path (its stubs say otherwise)
     options: dict[str, Any] = {"max_ongoing_requests": ongoing, "ray_actor_options": dict(ray_actor_options or {}),
@@ -318,16 +363,19 @@ def build_app(model: Any = None, *, replicas: int = 1, n_seq_max: int = 16, max_
     ingress = deployment(Ingress).options(name="Ingress", max_ongoing_requests=ongoing * max(1, replicas),
                                                 ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine.bind(None if model is None else str(model),
-                                    {"n_seq_max": n_seq_max, **engine_options}))
+                                    {"n_seq_max": n_seq_max, **engine_options}, dict(app_options or {})))
 
 
 def _parse(name: str, value: Any) -> Any:
-    kind = ENGINE_OPTIONS.get(name)
-    if kind is None or not isinstance(value, str):
+    """``serve run``'s string for an engine option, as the option's type (read from its default)."""
+    if name not in ENGINE_OPTIONS or not isinstance(value, str):
         return value
-    if kind is bool:
-        return value.lower() in ("1", "true", "yes", "on")
-    return kind(value)
+    default = ENGINE_OPTIONS[name]
+    if isinstance(default, bool) or name in ("flash_attn",):
+        return None if value.lower() in ("auto", "none") else value.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int) or name in ("n_threads", "cache_seq_ids"):
+        return value if value == "auto" else int(value)
+    return value
 
 
 __all__ = ["EngineReplica", "Forwarded", "Ingress", "PrefixAffinityRouter", "affinity_keys", "build_app"]

@@ -192,8 +192,8 @@ async def main(args: argparse.Namespace) -> int:
         for _ in range(args.rounds):
             free.append(await server_round(server.url, prompt, False))
             constrained.append(await server_round(server.url, prompt, True))
-    r["llama_server"] = {"free_tps": statistics.median(free), "constrained_tps": statistics.median(constrained), "free_all": free,
-                         "constrained_all": constrained}
+    r["llama_server"] = {"free_tps": statistics.median(free), "constrained_tps": statistics.median(constrained),
+                         "free_all": free, "constrained_all": constrained}
     print("llama-server", r["llama_server"], flush=True)
     r["replay"] = replay(model, chosen, threads)
     save_results(r, "constraints", markdown(r))

@@ -111,7 +111,8 @@ def report(r: dict[str, Any]) -> str:
              f"SmolLM2, {STREAMS} streams x {NEW} tokens; {ARRIVALS} arrivals, one every {EVERY} s, each a "
              f"prompt of a {r['picture_rows']}-row picture between two 16-token texts (or text of the same "
              f"length), 8 tokens each. Encoding one picture: {r['encode_ms']:.0f} ms (ahead, on a worker thread).",
-             "", "| repeat | arrivals | running streams, tokens/s | longest gap after 8 tokens, ms | median gap, ms | arrivals' first token, ms |",
+             "", "| repeat | arrivals | running streams, tokens/s | longest gap after 8 tokens, ms | median gap, ms "
+                 "| arrivals' first token, ms |",
              "|---:|---|---:|---:|---:|---|"]
     for row in r["rows"]:
         lines.append(f"| {row['repeat']} | {row['arrivals']} | {row['tokens_per_s']:.1f} | {row['max_gap_ms']:.0f} | "

@@ -59,7 +59,8 @@ def markdown(r: dict[str, Any]) -> str:
     for name in ("aiollama", "llama_server"):
         g = f[name]
         d = g["gaps_during_prompt"]
-        lines.append(f"| {name} | {_f(g['prompt_seconds'], 2)} | {_f(d['median_ms'])} | {_f(d['p99_ms'])} | {_f(d['max_ms'])} |")
+        lines.append(f"| {name} | {_f(g['prompt_seconds'], 2)} | {_f(d['median_ms'])} | {_f(d['p99_ms'])} "
+                     f"| {_f(d['max_ms'])} |")
     k = r["fork"]
     lines += [
         "",
@@ -149,7 +150,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
     series = [
         ("aiollama (decode phase)", [r["throughput"]["aiollama"].get(str(n), {}).get("decode_tps") for n in levels], "o-"),
         ("llama-batched-bench S_TG", [r["throughput"]["batched_bench"].get(str(n), {}).get("s_tg") for n in levels], "s--"),
-        ("llama-server -kvu (decode phase)", [r["throughput"]["llama_server"].get(str(n), {}).get("decode_tps") for n in levels], "^:"),
+        ("llama-server -kvu (decode phase)",
+         [r["throughput"]["llama_server"].get(str(n), {}).get("decode_tps") for n in levels], "^:"),
     ]
     for label, ys, style in series:
         pts = [(n, y) for n, y in zip(levels, ys) if y is not None]

@@ -179,8 +179,8 @@ def family_model(family: str, smollm2: Path) -> Path:
 
     template, markers, _ = FAMILIES[family]
     source = (llama_cpp_dir() / "models" / "templates" / template).read_text(encoding="utf-8")
-    return scripted_model(aiollama.cache_dir() / "test-models" / f"scripted-{family}-v1.gguf", smollm2, template=source, markers=markers,
-                          request=family_request(family), reply=family_case(family)["input"])
+    return scripted_model(aiollama.cache_dir() / "test-models" / f"scripted-{family}-v1.gguf", smollm2, template=source,
+                          markers=markers, request=family_request(family), reply=family_case(family)["input"])
 
 
 def conformance(tokenizer: Any) -> dict[str, dict[str, Any]]:

@@ -124,7 +124,7 @@ class FakeExecutor:
         self.kv = FakeKV(config.n_ctx, self.n_seq_max, recurrent=memory != "kv")
         self.fingerprint = {"model": "fake", "n_vocab": ByteTokenizer.n_vocab}
         self.model_info = {"description": "fake", "ftype": "none", "n_params": 0, "size": 0, "n_embd": 0,
-                           "n_ctx_train": config.n_ctx, "n_vocab": ByteTokenizer.n_vocab}
+                           "kv_bytes_per_cell": 64, "n_ctx_train": config.n_ctx, "n_vocab": ByteTokenizer.n_vocab}
         self.can_shift = memory == "kv"
         self.kv_unified = True
         self.placement = "CPU"

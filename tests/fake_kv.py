@@ -67,7 +67,8 @@ class FakeKV:
                 if self.recurrent:
                     state = self.states.get(op.seq_id, ())
                     assert op.p0 == 0 or state is not None and op.p0 >= len(state), \
-                        f"seq_rm({op.seq_id}, {op.p0}) cuts into a recurrent state of {None if state is None else len(state)}"
+                        f"seq_rm({op.seq_id}, {op.p0}) cuts into a recurrent state of " \
+                        f"{None if state is None else len(state)}"
                     if op.p0 == 0:
                         self.states.pop(op.seq_id, None)
                 self.remove(op.seq_id, op.p0)

@@ -24,7 +24,7 @@ class Server:
     """``aiollama serve MODEL`` (or another command serving on ``--port``) in a process of its own."""
 
     def __init__(self, model: Path, *options: str, command: tuple[str, ...] = ("-m", "aiollama", "serve"),
-                 health: str = "/health") -> None:
+                 health: str = "/health", startup: float = TIMEOUT) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -32,7 +32,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, *command, str(model), "--port", str(self.port), *options],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir())
-        deadline = time.monotonic() + TIMEOUT
+        deadline = time.monotonic() + startup
         while True:
             try:
                 if self.get(health)[0] == 200:
@@ -40,8 +40,11 @@ class Server:
             except OSError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc.wait()
+                said = self.output()
                 self.stop()
-                raise RuntimeError(f"the server did not start: {self.output()}")
+                raise RuntimeError(f"the server did not start: {said}")
             time.sleep(0.1)
 
     def get(self, path: str) -> tuple[int, str]:

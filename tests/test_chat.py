@@ -14,8 +14,8 @@ import aiollama
 from aiollama import ChatTemplateError, Engine, SyncEngine
 from aiollama.formats.chat import ChatTemplate, segments
 from aiollama.formats.messages import normalize
-from aiollama.native.chat import ChatTemplates
 from aiollama.native import Model
+from aiollama.native.chat import ChatTemplates
 
 pytestmark = pytest.mark.anyio
 

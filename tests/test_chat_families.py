@@ -92,9 +92,9 @@ def _listed(got: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", ["mistral", "gemma4", "glm"])
 async def test_a_reasoning_budget_closes_each_familys_own_block(name: str, smollm2_path: Path) -> None:
-    from aiollama import Engine
-
     from chat_cases import FAMILIES, family_request
+
+    from aiollama import Engine
 
     request = family_request(name)
     closing = FAMILIES[name][1][1] if name != "gemma4" else "<channel|>"

@@ -98,7 +98,7 @@ def test_without_the_mode_batch_mates_change_the_logits(smollm2_path: Path) -> N
     path = quantized_model(aiollama.cache_dir() / "test-models", smollm2_path, "q4_k_m", **WIDE)
     with Model(path) as model:
         differs = 0
-        for name, target, mates, first in cases(model.vocab.n_tokens)[:6]:
+        for _, target, mates, first in cases(model.vocab.n_tokens)[:6]:
             solo = decode(model, target, [], reference=False, threads=1)
             got = decode(model, target, mates, reference=False, mates_first=first)
             differs += not all(np.array_equal(a, b) for a, b in zip(solo, got))

@@ -14,9 +14,9 @@ from tiny_model import tiny_model
 
 import aiollama
 from aiollama import Engine, EngineConfig, InvalidRequestError
-from aiollama.cli import _layers, _switch
 from aiollama.decoder.loop import DECODE_STACK_BYTES
 from aiollama.native.devices import placement
+from aiollama.serve_command import layers, switch
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 WIDE = dict(n_embd=256, n_ff=768, n_head=4, n_head_kv=2, n_layer=4)  # heads of 64: quantized cells need 32s
@@ -91,13 +91,13 @@ def test_a_saved_conversation_names_its_cache_types(wide_path: Path, tmp_path: P
 
 
 def test_the_cli_reads_layers_and_switches() -> None:
-    assert _layers("auto") == "auto" and _layers("all") == -1 and _layers("12") == 12
+    assert layers("auto") == "auto" and layers("all") == -1 and layers("12") == 12
     for bad in ("-3", "many"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _layers(bad)
-    assert (_switch("on"), _switch("off"), _switch("auto")) == (True, False, None)
+            layers(bad)
+    assert (switch("on"), switch("off"), switch("auto")) == (True, False, None)
     with pytest.raises(argparse.ArgumentTypeError):
-        _switch("maybe")
+        switch("maybe")
 
 
 def _own_stack_size() -> int:

@@ -382,7 +382,7 @@ def test_the_messages_and_responses_apis_and_fetched_urls_read_pictures(tiny_pat
     here = f"http://127.0.0.1:{files.server_address[1]}"
     data = base64.b64encode(PICTURE).decode()
     server = Server(tiny_path, "--n-ctx", "1024", "--n-seq-max", "2", "--log-level", "warning", "--mmproj", str(mmproj),
-                    "--fetch-images")
+                    "--fetch-images", "--fetch-private-addresses")  # the picture is served on this machine
     try:
         def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
             status, _, answer = server.post(path, json.dumps(body).encode())
@@ -401,7 +401,8 @@ def test_the_messages_and_responses_apis_and_fetched_urls_read_pictures(tiny_pat
         assert status == 400 and missing["error"]["param"] == "messages[0].content[1].image_url"
         blocks = [{"type": "text", "text": "What is this?"},
                   {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]
-        status, counted = post("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": blocks}]})
+        status, counted = post("/v1/messages/count_tokens",
+                               {"model": "m", "messages": [{"role": "user", "content": blocks}]})
         assert status == 200 and counted["input_tokens"] > N_IMAGE_TOKENS
         status, message = post("/v1/messages", {"model": "m", "max_tokens": 4, "temperature": 0,
                                                  "messages": [{"role": "user", "content": blocks}]})

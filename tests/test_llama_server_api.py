@@ -415,7 +415,8 @@ def test_the_compatibility_table_covers_every_flag_and_its_counts_are_right() ->
     tables = doc_tables()
     listed = {name for names, _, _ in tables["Flags"] for name in names}
     assert not [name for row in FLAG_ROWS for name in row if name not in listed]
-    summary = re.findall(r"^\| ([a-z].*?) \| (\d+) \| (\d+) \| (\d+) \|$", DOC.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    summary = re.findall(r"^\| ([a-z].*?) \| (\d+) \| (\d+) \| (\d+) \|$", DOC.read_text(encoding="utf-8"),
+                         flags=re.MULTILINE)
     stated = {label.split(" ")[0]: (int(a), int(b), int(c)) for label, a, b, c in summary}
     found = counts()
     for key, label in (("endpoints", "endpoints"), ("flags", "flags"), ("fields", "request"), ("openai", "llama.cpp's")):
@@ -453,7 +454,7 @@ def test_every_endpoint_is_served_or_refused_as_the_table_says(tiny: Server) -> 
         except urllib.error.HTTPError as exc:
             return exc.code
 
-    for names, state, what in doc_tables()["Endpoints"]:
+    for names, state, _ in doc_tables()["Endpoints"]:
         paths = [name.rpartition(" ")[2].replace("{id}", "0") for name in names]
         for path in paths:
             if path == "/infill":
@@ -463,3 +464,42 @@ def test_every_endpoint_is_served_or_refused_as_the_table_says(tiny: Server) -> 
                 assert 501 in answers, (path, answers)
             else:
                 assert answers - {404, 405, 501}, (path, answers)
+
+
+def test_stream_options_and_cache_prompt_are_honoured_or_refused(tiny: Server) -> None:
+    chat = {"messages": [{"role": "user", "content": "Tell me about the sea " * 20}], "max_tokens": 3,
+            "temperature": 0}
+    status, answer = call(tiny.url, "POST", "/v1/chat/completions", {**chat, "stream": True,
+                                                                      "stream_options": {"made_up": True}})
+    assert status == 400 and answer["error"]["param"] == "stream_options.made_up"
+    status, answer = call(tiny.url, "POST", "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
+    assert status == 400 and answer["error"]["param"] == "stream_options"  # only with stream
+    status, events = call(tiny.url, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stream": True,
+                                                                "stream_options": {"include_usage": True,
+                                                                                   "include_obfuscation": True}})
+    assert status == 200 and events[-1]["usage"]["completion_tokens"] == 3
+    assert all(e["usage"] is None for e in events[:-1]) and all(isinstance(e["obfuscation"], str) for e in events)
+    call(tiny.url, "POST", "/v1/chat/completions", chat)  # now cached
+    _, again = call(tiny.url, "POST", "/v1/chat/completions", chat)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
+    _, fresh = call(tiny.url, "POST", "/v1/chat/completions", {**chat, "cache_prompt": False})
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert fresh["choices"][0]["message"] == again["choices"][0]["message"]  # the same reply, evaluated anew
+    _, native = call(tiny.url, "POST", "/completion", {"prompt": "Tell me about the sea " * 20, "n_predict": 1,
+                                                       "cache_prompt": False})
+    assert native["timings"]["cache_n"] == 0
+
+
+def test_cache_types_and_flash_attention_reach_the_engine_and_metrics_say_where_it_runs(servers: Servers) -> None:
+    server = servers.get("tiny", "-ctk", "bf16", "-ctv", "f32", "-fa", "on", "--public-metrics")
+    status, answer = call(server.url, "POST", "/completion", {"prompt": "Hello", "n_predict": 3, "temperature": 0})
+    assert status == 200 and answer["tokens_predicted"] == 3
+    _, stored = call(server.url, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 2})
+    metrics = server.get("/metrics")[1]
+    info = re.search(r"^aiollama_engine_info\{(.*)\} 1\.0$", metrics, flags=re.MULTILINE)
+    assert info is not None, metrics[:2000]
+    assert 'cache_type_k="bf16"' in info.group(1) and 'cache_type_v="f32"' in info.group(1)
+    assert 'flash_attn="on"' in info.group(1) and 'n_seq_max="2"' in info.group(1)
+    assert re.search(r'^aiollama_device_info\{kv_cache="CPU",weights="CPU"\} 1\.0$', metrics, flags=re.MULTILINE)
+    assert re.search(r"^aiollama_responses_stored 1\.0$", metrics, flags=re.MULTILINE), stored
+    assert float(re.search(r"^aiollama_responses_stored_bytes (\S+)$", metrics, flags=re.MULTILINE).group(1)) > 0  # type: ignore[union-attr]

@@ -77,6 +77,11 @@ def test_tokenize_round_trip(tiny: Model, text: str) -> None:
     assert b"".join(vocab.token_to_piece(t) for t in tokens) == text.encode()
 
 
+def test_text_that_is_not_unicode_is_refused(tiny: Model) -> None:
+    with pytest.raises(InvalidRequestError, match="lone surrogate at character 2"):
+        tiny.vocab.tokenize("ab\ud800c")  # JSON can carry it ("\\ud800"); UTF-8 cannot
+
+
 def test_pieces_can_split_a_character(tiny: Model) -> None:
     vocab = tiny.vocab
     pieces = [vocab.token_to_piece(t) for t in vocab.tokenize("🦙")]
@@ -526,7 +531,8 @@ def test_vocab_is_shared(tiny: Model, ctx: Context) -> None:
 # logging
 
 
-def test_log_goes_to_python_logging(tiny_path: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]) -> None:
+def test_log_goes_to_python_logging(tiny_path: Path, caplog: pytest.LogCaptureFixture,
+                                    capfd: pytest.CaptureFixture[str]) -> None:
     with Model(tiny_path):
         pass
     assert capfd.readouterr().err == ""  # quiet by default

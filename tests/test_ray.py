@@ -80,6 +80,74 @@ def test_conversations_stay_with_the_replica_that_holds_their_prefix(endpoint: s
     assert all(len(served) == 1 for served in replicas.values()), replicas
 
 
+def test_a_responses_chain_stays_with_the_replica_that_holds_it_and_ends_clearly_with_it(endpoint: str) -> None:
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    root = endpoint.removesuffix("/v1")
+
+    def call(method: str, path: str, body: Any = None) -> tuple[int, Any, str]:
+        request = urllib.request.Request(root + path, None if body is None else json.dumps(body).encode(),
+                                         method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read()), response.headers[REPLICA_HEADER]
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read()), exc.headers[REPLICA_HEADER]
+
+    status, first, holder = call("POST", "/v1/responses", {"input": "Once upon a time", "max_output_tokens": 4,
+                                                           "temperature": 0})
+    assert status == 200 and holder in first["id"]
+    previous, total = first["id"], first["usage"]["total_tokens"]
+    for turn in range(3):
+        # load, while the turn runs: streams that the least-loaded rule would place beside it
+        load = [threading.Thread(target=call, args=("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": f"busy {turn} {i}"}], "max_tokens": 24, "user": f"u{i}"}))
+            for i in range(4)]
+        for thread in load:
+            thread.start()
+        status, reply, served = call("POST", "/v1/responses", {"input": f"Then {turn}", "previous_response_id": previous,
+                                                               "max_output_tokens": 4, "temperature": 0})
+        for thread in load:
+            thread.join()
+        assert status == 200 and served == holder, (turn, reply)
+        assert reply["usage"]["input_tokens_details"]["cached_tokens"] >= total - 1  # only the new input evaluated
+        previous, total = reply["id"], reply["usage"]["total_tokens"]
+    for _ in range(3):  # from any client, whichever replica is least loaded
+        status, stored, served = call("GET", f"/v1/responses/{previous}")
+        assert status == 200 and served == holder and stored["id"] == previous
+    doomed = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(holder))
+    ray.kill(ray.get_actor(doomed, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            status, gone, served = call("POST", "/v1/responses", {"input": "And?", "previous_response_id": previous,
+                                                                  "max_output_tokens": 2})
+        except OSError:
+            time.sleep(0.5)
+            continue
+        if status != 500 and served != holder:
+            break
+        time.sleep(0.5)
+    assert status == 404 and "gone" in gone["error"]["message"], gone  # never another conversation's reply
+    _wait_for_two_replicas(holder)
+
+
+def _wait_for_two_replicas(dead: str) -> None:
+    deadline = time.monotonic() + 90
+    states: Any = None
+    while time.monotonic() < deadline:
+        states = serve.status().applications["aiollama"].deployments["EngineReplica"].replica_states
+        alive = _replica_ids()
+        if len(alive) == 2 and dead not in alive and states.get("RUNNING", 0) == 2:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the dead replica was not replaced: {states}")
+
+
 def test_a_dead_replica_fails_its_requests_and_the_other_serves(endpoint: str) -> None:
     api = client(endpoint)
     pinned = {"x-session-id": "doomed"}
@@ -130,6 +198,16 @@ def test_affinity_keys() -> None:
     assert affinity_keys([], b"not json") == ((), ())
     text = b'{"prompt": "' + b"x" * 600 + b'"}'
     assert len(affinity_keys([], text)[0]) == 2  # 512 and 256 characters
+    salted = chat.replace(b'{"messages"', b'{"cache_salt": "tenant-a", "messages"')
+    other = chat.replace(b'{"messages"', b'{"cache_salt": "tenant-b", "messages"')
+    keys = [set(affinity_keys([], body)[0]) for body in (chat, salted, other)]
+    assert not keys[0] & keys[1] and not keys[1] & keys[2]  # a tenant is never routed by another's keys
+    assert affinity_keys([], b'{"user": "ann", "cache_salt": "t"}')[0] != (("user:ann",),)
+    from aiollama.ray import holder_of
+    assert holder_of("/v1/responses/resp_abc123_" + "0" * 32, b"") == "abc123"
+    assert holder_of("/v1/responses", b'{"previous_response_id": "resp_r9_' + b"f" * 32 + b'"}') == "r9"
+    assert holder_of("/v1/responses", b'{"previous_response_id": "resp_' + b"f" * 32 + b'"}') is None
+    assert holder_of("/v1/chat/completions", b"{}") is None
 
 
 def test_build_app_takes_serve_run_arguments(tiny_path: Path) -> None:

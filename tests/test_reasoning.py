@@ -104,7 +104,8 @@ def test_streamed_reasoning_never_leaks_into_content(inside: bool) -> None:
 
 
 def test_streamed_tool_call_after_thinking() -> None:
-    text = '<think>I need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    text = ('<think>I need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+            '\n</tool_call>')
     deltas = stream_choice(choice_for("Qwen-Qwen3-0.6B.jinja", [WEATHER]), [text[i:i + 5] for i in range(0, len(text), 5)])
     assert joined(deltas, "reasoning_content") == "I need the weather."
     assert joined(deltas, "content") == ""

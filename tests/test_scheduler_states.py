@@ -289,7 +289,8 @@ class ImageMachine(SchedulerMachine):
 
 
 TestScheduler = SchedulerMachine.TestCase
-TestScheduler.settings = settings(max_examples=int(os.environ.get("AIOLLAMA_STATE_EXAMPLES", 150)), stateful_step_count=40, deadline=None)
+TestScheduler.settings = settings(max_examples=int(os.environ.get("AIOLLAMA_STATE_EXAMPLES", 150)), stateful_step_count=40,
+                                  deadline=None)
 TestHybridScheduler = HybridMachine.TestCase
 TestHybridScheduler.settings = TestScheduler.settings
 TestImageScheduler = ImageMachine.TestCase

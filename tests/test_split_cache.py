@@ -14,8 +14,9 @@ from helpers import GREEDY, gather, solo, wait_for
 from server_process import Server
 
 from aiollama import ContextFull, Engine, EngineConfig, InvalidRequestError
-from aiollama.cli import parser, serve_n_ctx
+from aiollama.cli import parser
 from aiollama.native import Context
+from aiollama.serve_command import serve_n_ctx
 
 pytestmark = pytest.mark.anyio
 

@@ -46,7 +46,7 @@ async def test_cancellation_storm(model: str, tiny_path: Path, smollm2_path: Pat
                     await stream
                 elif mode == 2:  # mid-generation
                     k = rng.randint(1, 6)
-                    async for chunk in conv.stream(max_tokens=100, **GREEDY):
+                    async for _ in conv.stream(max_tokens=100, **GREEDY):
                         k -= 1
                         if k <= 0:
                             break

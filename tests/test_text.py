@@ -50,7 +50,7 @@ def test_incomplete_character_at_the_end_becomes_replacement() -> None:
 
 @pytest.mark.parametrize("split", range(1, 12))
 def test_stop_across_any_split(split: int) -> None:
-    text = "abc<END>def".encode()
+    text = b"abc<END>def"
     out, stopped = run([text[:split], text[split:]], stop=("<END>",))
     assert stopped and "".join(out) == "abc"
     assert all("<" not in s for s in out)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from aiollama.errors import ChatTemplateError, ImageError
-from aiollama.formats.messages import IMAGE, Messages
 from aiollama.formats.media import (
     MAX_IMAGE_ROWS,
     MAX_IMAGES,
@@ -29,6 +28,7 @@ from aiollama.formats.media import (
     placeholder,
     placeholders,
 )
+from aiollama.formats.messages import IMAGE, Messages
 
 KEPT_ENCODINGS = 32  # pictures whose encodings are kept for the next prompt that sends them
 

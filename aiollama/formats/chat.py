@@ -44,7 +44,6 @@ from aiollama.formats.messages import (
 from aiollama.formats.tokens import SpecialToken, Tokenizer
 from aiollama.formats.toolcalls import tool_names
 
-
 _ASCII_SPACE = " \t\n\v\f\r"  # what C's isspace() strips
 REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")  # llama-server's reasoning_format
 TOOL_CHOICES = ("auto", "none", "required")

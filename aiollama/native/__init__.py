@@ -15,5 +15,5 @@ from aiollama.native.projector import Projector
 from aiollama.native.sampler import SamplerChain, sample_rows
 from aiollama.native.threads import available_cpus
 
-__all__ = ["Batch", "Context", "DecodeStatus", "LoraAdapter", "Model", "Projector", "SamplerChain", "Vocab", "available_cpus",
-           "open_handles", "sample_rows"]
+__all__ = ["Batch", "Context", "DecodeStatus", "LoraAdapter", "Model", "Projector", "SamplerChain", "Vocab",
+           "available_cpus", "open_handles", "sample_rows"]

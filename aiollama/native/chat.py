@@ -76,7 +76,11 @@ class ChatTemplates:
     def apply(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Render a request (see ``aiollama_chat_apply``): the prompt, and how to constrain and
         parse the reply. Raises ChatTemplateError with llama.cpp's reason when it cannot."""
-        text = json.dumps(inputs, ensure_ascii=False).encode()
+        try:
+            text = json.dumps(inputs, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:  # a lone surrogate: JSON can carry it, UTF-8 cannot
+            before = exc.object[max(0, exc.start - 40):exc.start]
+            raise ChatTemplateError(f"the request is not valid Unicode: a lone surrogate after {before!r}") from None
         with self._lock:
             out, why = _call(lib.aiollama_chat_apply, self._ptr, text)
         if why is not None:

@@ -88,6 +88,8 @@ class Model(Handle):
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
         self.n_embd: int = lib.llama_model_n_embd(ptr)
         self.n_layer: int = lib.llama_model_n_layer(ptr)
+        self.n_head: int = lib.llama_model_n_head(ptr)
+        self.n_head_kv: int = lib.llama_model_n_head_kv(ptr)
         self.n_params: int = lib.llama_model_n_params(ptr)
         # the weights' element type, as llama.cpp names it ("Q4_1", "all F32", ...)
         self.ftype: str = ffi.string(lib.llama_ftype_name(lib.llama_model_ftype(ptr))).decode("utf-8", "replace")
@@ -277,7 +279,10 @@ class Vocab:
         ``add_special`` adds BOS/EOS as the model's metadata asks; ``parse_special`` turns the text of
         special tokens (``<|im_start|>``) into those tokens instead of plain text.
         """
-        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        try:
+            data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        except UnicodeEncodeError as exc:  # a lone surrogate: text JSON can carry but Unicode cannot
+            raise InvalidRequestError(f"the text is not valid Unicode: a lone surrogate at character {exc.start}") from None
         ptr = self._get()
         capacity = len(data) + 8
         buf = ffi.new("llama_token[]", capacity)

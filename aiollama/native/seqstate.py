@@ -153,7 +153,7 @@ def restream(data: bytes, n_stream: int) -> bytes:
     if have < 1 or n_stream < 1:
         raise StateFormatError(f"a state of {have} streams cannot become one of {n_stream}")
     empty = struct.pack("<I", 0)
-    for index in range(have):
+    for index in range(have):  # noqa: B007 - the stream it stopped at is read after the loop
         (count,), after = _read("<I", data, at)
         if count:
             break

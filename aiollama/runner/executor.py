@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from aiollama._validate import MAX_SEQ
-from aiollama.config import EngineConfig
+from aiollama.config import CACHE_TYPE_BYTES, EngineConfig
 from aiollama.errors import (
     DecodeError,
     InvalidRequestError,
@@ -91,6 +91,16 @@ def fingerprint(model: Model, cache_types: tuple[str, str] = ("f16", "f16")) -> 
             "n_vocab": vocab.n_tokens, "n_embd": model.n_embd, "n_layer": model.n_layer,
             "vocab_sha256": texts.hexdigest(),
             "kv": f"{'f16' if cache_types == ('f16', 'f16') else '/'.join(cache_types)},unified"}
+
+
+def kv_bytes_per_cell(model: Model, config: EngineConfig) -> int:
+    """What one KV cell (a token's keys and values in every layer) takes in the cache's types;
+    an estimate from the heads' sizes (a recurrent state is per sequence, not per cell)."""
+    if model.n_head <= 0:
+        return 0
+    per_head = model.n_embd // model.n_head
+    each = model.n_layer * max(model.n_head_kv, 1) * per_head
+    return round(each * (CACHE_TYPE_BYTES[config.cache_type_k] + CACHE_TYPE_BYTES[config.cache_type_v]))
 
 
 def recurrent_config(config: EngineConfig, name: str) -> EngineConfig:
@@ -200,7 +210,7 @@ class NativeExecutor:
         self.model_info: Mapping[str, str | int] = {
             "description": self.model.description(), "ftype": self.model.ftype, "n_params": self.model.n_params,
             "size": self.model.size, "n_embd": self.model.n_embd, "n_ctx_train": self.model.n_ctx_train,
-            "n_vocab": self.vocab.n_tokens}
+            "n_vocab": self.vocab.n_tokens, "kv_bytes_per_cell": kv_bytes_per_cell(self.model, config)}
         self.sampling = Sampling(self.ctx, self.vocab, backend=config.backend_sampling and not self.embeds_only,
                                  gpu_decodes=self._gpu_decodes)
         self._order: OrderedCells | None = None

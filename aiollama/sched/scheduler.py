@@ -67,8 +67,8 @@ class Scheduler(Queues):
     ``max_running`` how many sequences may generate at once (default: all of them). ``ordered``
     keeps each sequence's cells in position order (the deterministic mode; see
     :mod:`aiollama.sched.kvcache`). ``kv_unified``: one pool of cells for every seq id, over which each
-    step's attention passes (idle cells are then given back under load). ``draft_model``: drafting streams leave their drafts to the
-    executor's draft model (the slice says how many tokens it may add) instead of n-grams.
+    step's attention passes (idle cells are then given back under load). ``draft_model``: drafting
+    streams leave their drafts to the executor's draft model (the slice says how many tokens it may add) instead of n-grams.
     ``memory``: "kv", or "hybrid" and "recurrent" for models with recurrent states, which are
     checkpointed in host memory within ``checkpoint_bytes`` (see :mod:`~aiollama.sched.recurrent`);
     they decode without n-gram drafts.

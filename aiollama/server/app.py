@@ -27,10 +27,12 @@ from aiollama.models import default_model
 from aiollama.sampling import SamplingParams
 from aiollama.server import embeddings, messages, native, responses
 from aiollama.server.cors import Cors, CorsMiddleware
+from aiollama.server.fetch import Fetcher
 from aiollama.server.generate import chat_completions, completions
 from aiollama.server.guard import Guard, Limits, load_keys
 from aiollama.server.requests import BadRequest
 from aiollama.server.state import State, serving_engine
+from aiollama.server.store import SWEEP_SECONDS, ResponseStore, Sizing
 from aiollama.server.utility import apply_template, detokenize, tokenize
 
 # llama-server's routes that mean nothing here, answered as its own disabled endpoints are (501,
@@ -58,10 +60,12 @@ LOCAL_PAGES = Cors()  # CORS for pages served from this machine, llama-server's 
 def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | None = None,
                model_name: str | None = None, retry_after: int = 1, api_keys: Iterable[str] = (),
                limits: Limits | None = None, public_metrics: bool = False, reasoning_budget: int | None = None,
-               reasoning_budget_message: str = "", fetch_images: bool = False, reasoning_format: str = "auto",
+               reasoning_budget_message: str = "", fetch_images: bool = False, fetch_private_addresses: bool = False,
+               allowed_media_domains: Iterable[str] = (), reasoning_format: str = "auto",
                sampling: dict[str, Any] | None = None, chat_defaults: dict[str, Any] | None = None,
                embd_normalize: int = 2, cors: Cors | None = LOCAL_PAGES, props_writable: bool = False,
-               load_in_background: bool = False, **engine_options: Any) -> Starlette:
+               load_in_background: bool = False, responses_max: int = 256, responses_ttl: float = 3600.0,
+               responses_mib: int = 256, replica: str = "", **engine_options: Any) -> Starlette:
     """The app. ``engine_options`` go to :class:`Engine` when the app owns its engine.
 
     With ``api_keys`` (or keys in ``$AIOLLAMA_API_KEY``, comma-separated) every route but
@@ -72,7 +76,12 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
     ``--top-k``, ``-n``...) and ``chat_defaults`` (``chat_template_kwargs``, merged under a
     request's, and ``reasoning_effort``) apply to every request that gives none;
     ``embd_normalize`` is ``/embedding``'s normalisation where a request gives none.
-    ``fetch_images``: image_url parts may name http(s) URLs, which the server fetches.
+    ``responses_max``, ``responses_ttl`` (seconds) and ``responses_mib`` bound the responses kept
+    for ``previous_response_id`` (their conversations' cells and pictures counted). ``replica``
+    names this app among replicas: its response ids carry it, so that a router sends the next turn
+    to the replica that holds the conversation.
+    ``fetch_images``: image_url parts may name http(s) URLs, which the server fetches from public
+    addresses (``fetch_private_addresses``: any), of ``allowed_media_domains`` when given.
     ``cors``: which web pages may call the server (:class:`~aiollama.server.cors.Cors`; localhost
     by default, None: no CORS answer at all). ``props_writable``: ``POST /props`` answers, as
     llama-server's ``--props``. ``load_in_background``: the app answers while its engine loads
@@ -89,9 +98,13 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
     if reasoning_format not in REASONING_FORMATS:
         raise ValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}")
     state = State(model_name=name, retry_after=retry_after, engine=engine, owns_engine=engine is None, guard=guard,
-                  fetch_images=fetch_images, reasoning_format=reasoning_format, props_writable=props_writable,
+                  fetcher=Fetcher(tuple(d.lower().strip(".") for d in allowed_media_domains), fetch_private_addresses)
+                  if fetch_images else None, reasoning_format=reasoning_format, props_writable=props_writable,
                   chat_defaults={k: v for k, v in (chat_defaults or {}).items() if v is not None},
-                  embd_normalize=embd_normalize)
+                  embd_normalize=embd_normalize, replica=replica,
+                  responses=ResponseStore(responses_max, responses_ttl, responses_mib << 20))
+    if replica and not replica.isalnum():
+        raise ValueError(f"a replica's name is letters and digits, not {replica!r}")
     unknown = set(state.chat_defaults) - {"chat_template_kwargs", "reasoning_effort"}
     if unknown:
         raise ValueError(f"chat_defaults takes chat_template_kwargs and reasoning_effort, not {sorted(unknown)}")
@@ -104,12 +117,6 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if engine is not None:
-            try:
-                yield
-            finally:
-                state.responses.close()  # the stored conversations go with the app
-            return
         async def load() -> None:
             model_path = path if path is not None else await anyio.to_thread.run_sync(default_model)
             owned = Engine(model_path, **engine_options)
@@ -119,28 +126,50 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
                 state.load_error = exc
                 raise
             state.engine = owned
+            state.responses.sizing = Sizing.of(owned.model_info)
 
-        try:
-            if load_in_background:
-                async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_sweep, state.responses)
+            try:
+                if engine is not None:
+                    if engine.serving:
+                        state.responses.sizing = Sizing.of(engine.model_info)
+                elif load_in_background:
                     tg.start_soon(_logged, load)
-                    yield
-                    tg.cancel_scope.cancel()
-            else:
-                await load()
+                else:
+                    await load()
                 yield
-        finally:
-            state.responses.close()
-            owned, state.engine = state.engine, None
-            if owned is not None:
-                with anyio.CancelScope(shield=True):
-                    await owned.aclose()
+            finally:
+                tg.cancel_scope.cancel()
+                state.responses.close()  # the stored conversations go with the app
+                if engine is None:
+                    owned, state.engine = state.engine, None
+                    if owned is not None:
+                        with anyio.CancelScope(shield=True):
+                            await owned.aclose()
 
-    app = Starlette(routes=_routes(state), lifespan=lifespan)
+    app = Starlette(routes=_routes(state), lifespan=lifespan,
+                    exception_handlers={404: _no_route, 405: _no_route})
+    app.router.redirect_slashes = False  # a path with a stray slash is a 404, not a redirect to another route
     app.state.aiollama = state
     if cors is not None:
         app.add_middleware(CorsMiddleware, cors=cors)
     return app
+
+
+async def _no_route(request: HttpRequest, exc: Exception) -> Response:
+    """An unknown path or method, answered as OpenAI does: a JSON error, not a bare page."""
+    status = getattr(exc, "status_code", 404)
+    what = "Invalid URL" if status == 404 else "Method not allowed"
+    return JSONResponse({"error": {"message": f"{what} ({request.method} {request.url.path})",
+                                   "type": "invalid_request_error", "param": None, "code": None}}, status_code=status)
+
+
+async def _sweep(store: ResponseStore) -> None:
+    """Expired responses go within a second, their conversations' cells with them."""
+    while True:
+        await anyio.sleep(SWEEP_SECONDS)
+        store.sweep()
 
 
 async def _logged(load: Callable[[], Awaitable[None]]) -> None:
@@ -198,8 +227,11 @@ def _refuse(reason: str) -> Handler:
 Handler = Callable[[State, HttpRequest], Awaitable[Response]]
 
 
+Endpoint = Callable[[HttpRequest], Awaitable[Response]]
+
+
 def _endpoint(state: State, name: str, handler: Handler,
-              shape: Callable[[BadRequest], dict[str, Any]] = BadRequest.body) -> Callable[[HttpRequest], Awaitable[Response]]:
+              shape: Callable[[BadRequest], dict[str, Any]] = BadRequest.body) -> Endpoint:
     """``handler`` as a route: its key checked, its refusals answered in ``shape`` (OpenAI's error
     object unless the API has its own), counted in the metrics."""
     async def endpoint(request: HttpRequest) -> Response:

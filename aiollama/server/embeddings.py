@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from aiollama.errors import AiollamaError
 from aiollama.server.native_request import native_prompts
-from aiollama.server.requests import BadRequest, embeddings_request, json_object
+from aiollama.server.requests import MAX_INPUTS, BadRequest, embeddings_request, json_object
 from aiollama.server.state import State, serving_engine, translate
 
 NATIVE_FIELDS = frozenset({"content", "input", "embd_normalize", "model", "encoding_format"})
@@ -73,7 +73,7 @@ async def _native(state: State, body: Any) -> Response:
         raise BadRequest("/embedding answers floats; base64 is /v1/embeddings'", param="encoding_format")
     try:
         prompts = native_prompts(value, lambda text, first: engine.tokenize(text, add_special=True, special=True),
-                                 engine.tokenizer.check_token)
+                                 engine.tokenizer.check_token, MAX_INPUTS)
         vectors = await engine.embed(prompts, normalize=False)
     except AiollamaError as exc:
         raise translate(exc) from None

@@ -4,6 +4,8 @@ streams, whose chunks are shaped into OpenAI's responses or server-sent events."
 from __future__ import annotations
 
 import json
+import random
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -229,7 +231,7 @@ async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -
     release = state.guard.hold(key)
     try:
         if chat and req.messages is not None:
-            await read_images(serving_engine(state), req.messages, state.fetch_images)
+            await read_images(serving_engine(state), req.messages, state.fetcher)
         job = _start(state, req, chat)
     except BaseException:
         release()
@@ -339,6 +341,10 @@ async def _events(job: _Job, state: State, req: Request) -> AsyncIterator[str]:
     def event(choices: list[dict[str, Any]], **extra: Any) -> str:
         payload = {"id": job.id, "object": kind, "created": job.created, "model": job.model,
                    "system_fingerprint": BUILD_INFO, "choices": choices, **extra}
+        if req.include_usage:  # OpenAI's: every chunk has usage, null but in the last
+            payload.setdefault("usage", None)
+        if req.obfuscate:  # padding that hides the length of what a chunk carries
+            payload["obfuscation"] = secrets.token_urlsafe(random.randint(1, 24))[:random.randint(1, 32)]
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     completion_tokens = 0

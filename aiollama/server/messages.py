@@ -63,7 +63,7 @@ async def count_tokens(state: State, request: HttpRequest) -> Response:
     check_prompt_size(state, engine, [message_text(m) for m in req.messages], engine.n_ctx)
     options = chat_options(engine, req)
     if any(not isinstance(m.get("content"), str) for m in req.messages):  # pictures: count as a turn takes them
-        await read_images(engine, req.messages, state.fetch_images)
+        await read_images(engine, req.messages, state.fetcher)
         conv = engine.conversation()
         try:
             return JSONResponse({"input_tokens": conv.append_chat(req.messages, **options)})
@@ -83,7 +83,7 @@ async def create(state: State, request: HttpRequest) -> Response:
     req = messages_request(await state.guard.read_json(request))
     release = state.guard.hold(getattr(request.state, "api_key", ""))
     try:
-        await read_images(serving_engine(state), req.messages, state.fetch_images)
+        await read_images(serving_engine(state), req.messages, state.fetcher)
         reply = _start(state, req)
     except BaseException:
         release()

@@ -28,12 +28,26 @@ from prometheus_client.registry import Collector
 
 from aiollama import Statistics
 
+Labels = Callable[[], dict[str, str] | None]
+Gauges = Callable[[], dict[str, tuple[str, float]]]
+
 
 class EngineCollector(Collector):
-    def __init__(self, statistics: Callable[[], Statistics | None]) -> None:
-        self._statistics = statistics
+    """The engine's gauges and counters at scrape time; ``settings``: what the engine was started
+    with, as labels of ``aiollama_engine_info``; ``gauges``: the server's own (name: help, value)."""
+
+    def __init__(self, statistics: Callable[[], Statistics | None], settings: Labels = lambda: None,
+                 gauges: Gauges = dict) -> None:
+        self._statistics, self._settings, self._gauges = statistics, settings, gauges
 
     def collect(self) -> Iterator[Metric]:
+        for name, (help_text, value) in self._gauges().items():
+            yield GaugeMetricFamily(f"aiollama_{name}", help_text, value=value)
+        settings = self._settings()
+        if settings is not None:
+            info = GaugeMetricFamily("aiollama_engine_info", "What the engine was started with", labels=list(settings))
+            info.add_metric(list(settings.values()), 1)
+            yield info
         s = self._statistics()
         if s is None:
             return
@@ -81,9 +95,10 @@ class EngineCollector(Collector):
 class Metrics:
     """The registry of one app (not the global one: several apps may live in one process)."""
 
-    def __init__(self, statistics: Callable[[], Statistics | None]) -> None:
+    def __init__(self, statistics: Callable[[], Statistics | None], settings: Labels = lambda: None,
+                 gauges: Gauges = dict) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(statistics))
+        self.registry.register(EngineCollector(statistics, settings, gauges))
         self.time_to_first_token = Histogram(
             "aiollama_time_to_first_token_seconds", "From request to the first generated token",
             buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry)

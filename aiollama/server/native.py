@@ -42,7 +42,7 @@ from aiollama.server.native_request import (
     native_prompts,
     native_request,
 )
-from aiollama.server.requests import BadRequest, json_object
+from aiollama.server.requests import MAX_PROMPTS, BadRequest, json_object
 from aiollama.server.state import State, lora_names, serving_engine, translate
 
 
@@ -53,7 +53,7 @@ async def completion(state: State, request: HttpRequest) -> Response:
     native = _parse(state, engine, body)
     try:
         prompts = native_prompts(body.get("prompt"), lambda text, first: engine.tokenize(
-            text, add_special=first, special=True), engine.tokenizer.check_token)
+            text, add_special=first, special=True), engine.tokenizer.check_token, MAX_PROMPTS // native.n_cmpl)
     except AiollamaError as exc:
         raise translate(exc) from None
     return await _serve(state, request, engine, native, prompts)

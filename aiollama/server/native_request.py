@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiollama.sampling import MAX_TOP_LOGPROBS, wrap_seed
-from aiollama.server.requests import MAX_STOP, BadRequest, integer_field, lora_list
+from aiollama.server.requests import MAX_PROMPTS, MAX_STOP, BadRequest, integer_field, lora_list
 
 # Samplers of llama-server's that aiollama does not have: taken at the value that turns them off
 # (the documented default), refused otherwise.
@@ -235,12 +235,14 @@ def _samplers(value: Any, params: dict[str, Any]) -> list[str] | None:
     return names
 
 
-def native_prompts(value: Any, tokenize: Any, check_token: Any) -> list[list[int]]:
+def native_prompts(value: Any, tokenize: Any, check_token: Any, limit: int = MAX_PROMPTS) -> list[list[int]]:
     """llama-server's ``prompt``: a text, token ids, a list mixing both (one prompt), an object
     ``{"prompt_string": ...}``, or a list of those (several prompts). Text is tokenized with its
     special tokens parsed, the first part with BOS where the model takes one (``tokenize(text,
     add_special)``)."""
     if isinstance(value, list) and value and not any(isinstance(p, int) and not isinstance(p, bool) for p in value):
+        if len(value) > limit:
+            raise BadRequest(f"'prompt' holds {len(value)} prompts; at most {limit} a request", param="prompt")
         return [_one_prompt(p, tokenize, check_token, f"prompt[{i}]") for i, p in enumerate(value)]
     return [_one_prompt(value, tokenize, check_token, "prompt")]
 

@@ -12,6 +12,8 @@ from aiollama.sampling import wrap_seed
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_INPUTS = 2048  # texts of one embeddings request (OpenAI's limit)
+MAX_PROMPTS = 64  # generations of one native completion request: its prompts times n_cmpl
 
 
 # llama-server's error types by status (its native endpoints answer them with the status as code)
@@ -54,6 +56,7 @@ class Request:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    obfuscate: bool = False  # stream_options.include_obfuscation: chunks padded to random lengths
     params: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = "auto"
@@ -243,6 +246,27 @@ def json_object(body: Any, known: frozenset[str]) -> dict[str, Any]:
     return body
 
 
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
+
+
+def stream_options(value: Any, stream: bool) -> dict[str, bool]:
+    """OpenAI's ``stream_options``: each key it defines, a boolean, and only with ``stream``."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    if value and not stream:
+        raise BadRequest("'stream_options' is only taken with 'stream': true", param="stream_options")
+    for key, flag in value.items():
+        if key not in STREAM_OPTIONS:
+            raise BadRequest(f"'stream_options.{key}' is not an option this server reads "
+                             f"({', '.join(STREAM_OPTIONS)})", param=f"stream_options.{key}",
+                             code="unsupported_parameter")
+        if not isinstance(flag, bool):
+            raise BadRequest(f"'stream_options.{key}' must be a boolean", param=f"stream_options.{key}")
+    return dict(value)
+
+
 def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Request:
     for name in UNSUPPORTED:
         value = body.get(name)
@@ -258,9 +282,7 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    options = stream_options(body.get("stream_options"), stream)
     params = _sampling(body)
     if body.get("ignore_eos"):
         params["ignore_eos"] = True
@@ -272,7 +294,8 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
     scored = integer_field(body, "prompt_logprobs", 0, 20)
     if scored is not None:
         params["prompt_logprobs"] = scored
-    return Request(n=n or 1, stream=stream, include_usage=bool(options.get("include_usage")), params=params,
+    return Request(n=n or 1, stream=stream, include_usage=options.get("include_usage", False),
+                   obfuscate=options.get("include_obfuscation", False), params=params,
                    cache_salt=salt, prompt_logprobs=scored, lora=lora_list(body.get("lora")),
                    defaults={"max_tokens": default_max_tokens})  # None: to the turn's end
 
@@ -337,7 +360,8 @@ def embeddings_request(body: Any) -> tuple[Any, str]:
     """``/v1/embeddings``: the texts (or token id lists) and the encoding asked for."""
     body = json_object(body, EMBEDDING_FIELDS)
     value = body.get("input")
-    if isinstance(value, str) or isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    tokens = isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    if isinstance(value, str) or tokens:
         value = [value]
     ok = isinstance(value, list) and bool(value) and (
         all(isinstance(t, str) and t for t in value)
@@ -345,6 +369,8 @@ def embeddings_request(body: Any) -> tuple[Any, str]:
                for t in value))
     if not ok:
         raise BadRequest("'input' must be a non-empty string, a list of them, or token ids", param="input")
+    if len(value) > MAX_INPUTS:
+        raise BadRequest(f"'input' holds {len(value)} texts; at most {MAX_INPUTS} a request", param="input")
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise BadRequest("'encoding_format' must be 'float' or 'base64'", param="encoding_format")

@@ -11,6 +11,7 @@ An id that is gone answers 404, never a wrong continuation.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -35,11 +36,27 @@ from aiollama.server.state import (
     serving_engine,
     translate,
 )
+from aiollama.server.store import Sizing
+
+
+def response_id(replica: str = "") -> str:
+    """A new response id; among replicas it names the one that holds the conversation
+    (``resp_<replica>_<hex>``), which the router reads (``replica_of``)."""
+    return f"resp_{replica}_{uuid.uuid4().hex}" if replica else f"resp_{uuid.uuid4().hex}"
+
+
+def replica_of(response_id: Any) -> str | None:
+    """The replica a response id names, if any."""
+    match = REPLICA_ID.fullmatch(response_id) if isinstance(response_id, str) else None
+    return match.group(1) if match else None
+
+
+REPLICA_ID = re.compile(r"resp_([A-Za-z0-9]+)_[0-9a-f]{32}")
 
 
 def _not_found(response_id: str, param: str | None = None) -> BadRequest:
-    return BadRequest(f"no stored response '{response_id}' (never stored, deleted or expired)", status=404,
-                      param=param, code="not_found")
+    return BadRequest(f"no stored response '{response_id}' (never stored, deleted, expired, or its replica is "
+                      "gone)", status=404, param=param, code="not_found")
 
 
 async def create(state: State, request: HttpRequest) -> Response:
@@ -47,7 +64,7 @@ async def create(state: State, request: HttpRequest) -> Response:
     key: str = getattr(request.state, "api_key", "")
     release = state.guard.hold(key)
     try:
-        await read_images(serving_engine(state), req.messages, state.fetch_images)
+        await read_images(serving_engine(state), req.messages, state.fetcher)
         turn = _start(state, req)
     except BaseException:
         release()
@@ -94,7 +111,7 @@ class Turn:
     def __init__(self, state: State, req: ResponsesRequest, conv: Conversation, stream: Stream,
                  input_tokens: int) -> None:
         self.req, self.conv, self.stream = req, conv, stream
-        self.id, self.message_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
+        self.id, self.message_id = response_id(state.replica), "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = state.name()
         self.input_tokens = input_tokens
@@ -152,6 +169,8 @@ class Turn:
 
 def _start(state: State, req: ResponsesRequest) -> Turn:
     engine = serving_engine(state)
+    if state.responses.sizing == Sizing():  # an engine the app was given may have started after it
+        state.responses.sizing = Sizing.of(engine.model_info)
     messages = req.messages
     if req.instructions:  # this turn's instructions (a continuation does not inherit earlier ones)
         messages = [{"role": "system", "content": req.instructions}, *messages]

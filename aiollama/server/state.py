@@ -17,6 +17,7 @@ from aiollama.errors import (
     InvalidRequestError,
     Overloaded,
 )
+from aiollama.server.fetch import Fetcher
 from aiollama.server.guard import Guard
 from aiollama.server.metrics import Metrics
 from aiollama.server.requests import BadRequest
@@ -38,16 +39,17 @@ class State:
     responses: ResponseStore = field(default_factory=ResponseStore)
     longest_piece: int = 0  # the most bytes one token stands for (0: not looked up yet)
     defaults: dict[str, Any] = field(default_factory=dict)  # stream parameters a request may override
-    fetch_images: bool = False  # image_url parts may name http(s) URLs for the server to fetch
+    fetcher: Fetcher | None = None  # how image URLs are fetched; None: they are not
     reasoning_format: str = "auto"  # how replies' thinking is returned, where a request does not say
     props_writable: bool = False  # POST /props answers (it changes nothing), as llama-server's --props
     load_error: BaseException | None = None  # why the engine the app loads failed to start
     chat_defaults: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, reasoning_effort
     embd_normalize: int = 2  # /embedding's normalisation where a request gives none
+    replica: str = ""  # this app's name among replicas, in its response ids
     metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.statistics)
+        self.metrics = Metrics(self.statistics, self.settings, self.gauges)
 
     def name(self) -> str:
         """The model id clients see: as given, else the served file's name."""
@@ -77,6 +79,22 @@ class State:
             elif given.get(name) is None:
                 out[name] = value
         return out
+
+    def settings(self) -> dict[str, str] | None:
+        """The engine's settings that its flags chose, as labels."""
+        if self.engine is None:
+            return None
+        c = self.engine.config
+        flash = {True: "on", False: "off", None: "auto"}[c.flash_attn]
+        return {"n_ctx": str(c.n_ctx), "n_seq_max": str(c.n_seq_max), "kv_unified": str(c.kv_unified).lower(),
+                "cache_type_k": c.cache_type_k, "cache_type_v": c.cache_type_v, "flash_attn": flash,
+                "pooling": c.pooling or "model"}
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """The server's own gauges: what its response store holds."""
+        store = self.responses
+        return {"responses_stored": ("Responses kept for previous_response_id", len(store.items)),
+                "responses_stored_bytes": ("Bytes their conversations hold (KV cells, pictures, JSON)", store.size)}
 
     def statistics(self) -> Statistics | None:
         try:

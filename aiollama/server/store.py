@@ -1,14 +1,24 @@
-"""The responses a server keeps for ``previous_response_id``, each with its live conversation."""
+"""The responses a server keeps for ``previous_response_id``, each with its live conversation.
+
+A stored conversation holds more than its JSON: the KV cells of its tokens (or, parked, as many
+bytes in host memory) and the embedding rows of its pictures. The store counts all of it against
+its byte budget, drops the oldest past its count or its bytes, and drops expired ones at once (a
+sweep every second, and at every use), not only when someone asks for them. A dropped response's
+conversation is closed: its cells go back to the engine (kept only as evictable prefix cache).
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aiollama import Conversation
+
+SWEEP_SECONDS = 1.0
 
 
 @dataclass
@@ -19,27 +29,55 @@ class Stored:
     size: int
 
 
-class ResponseStore:
-    """Responses by id, oldest first out past ``max_items`` or ``max_bytes``, or after ``ttl`` s."""
+@dataclass(frozen=True)
+class Sizing:
+    """What a stored conversation costs: bytes per KV cell (a token's keys and values in every
+    layer) and per picture row (an embedding the projector made, kept to evaluate it again)."""
 
-    def __init__(self, max_items: int = 256, ttl: float = 3600.0, max_bytes: int = 256 << 20) -> None:
+    cell_bytes: int = 0
+    row_bytes: int = 0
+
+    @classmethod
+    def of(cls, model_info: Mapping[str, Any]) -> Sizing:
+        return cls(int(model_info.get("kv_bytes_per_cell", 0)), 4 * int(model_info.get("n_embd", 0)))
+
+    def of_conversation(self, tokens: tuple[int, ...]) -> int:
+        pictures = sum(1 for t in tokens if t < 0)  # a picture's rows stand in the history as negative ids
+        return len(tokens) * self.cell_bytes + pictures * self.row_bytes
+
+
+class ResponseStore:
+    """Responses by id, oldest first out past ``max_items`` or ``max_bytes``, or ``ttl`` seconds
+    after they were stored. ``clock`` is for tests."""
+
+    def __init__(self, max_items: int = 256, ttl: float = 3600.0, max_bytes: int = 256 << 20,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_items < 0 or ttl <= 0 or max_bytes < 0:
+            raise ValueError("the response store needs max_items >= 0, ttl > 0 and max_bytes >= 0")
         self.max_items, self.ttl, self.max_bytes = max_items, ttl, max_bytes
         self.items: OrderedDict[str, Stored] = OrderedDict()
         self.size = 0
+        self.sizing = Sizing()
+        self.dropped = {"count": 0, "bytes": 0, "expired": 0}  # why responses went
+        self._clock = clock
 
     def put(self, response: dict[str, Any], conv: Conversation) -> None:
-        size = len(json.dumps(response)) + 4 * len(conv)
-        self.items[response["id"]] = Stored(response, conv, time.monotonic() + self.ttl, size)
+        """Keep ``response`` and its conversation (closed at once where nothing may be kept)."""
+        self.sweep()
+        size = len(json.dumps(response)) + self.sizing.of_conversation(conv.tokens)
+        if self.max_items == 0 or size > self.max_bytes:
+            conv.close_nowait()
+            return
+        self.items[response["id"]] = Stored(response, conv, self._clock() + self.ttl, size)
         self.size += size
-        while self.items and (len(self.items) > self.max_items or self.size > self.max_bytes):
-            self._drop(next(iter(self.items)))
+        while len(self.items) > self.max_items:
+            self._drop(next(iter(self.items)), "count")
+        while self.size > self.max_bytes:
+            self._drop(next(iter(self.items)), "bytes")
 
     def get(self, response_id: str) -> Stored | None:
-        stored = self.items.get(response_id)
-        if stored is not None and stored.expires < time.monotonic():
-            self._drop(response_id)
-            return None
-        return stored
+        self.sweep()
+        return self.items.get(response_id)
 
     def delete(self, response_id: str) -> bool:
         if self.get(response_id) is None:
@@ -47,9 +85,23 @@ class ResponseStore:
         self._drop(response_id)
         return True
 
-    def _drop(self, response_id: str) -> None:
+    def sweep(self) -> int:
+        """Drop every expired response now; how many went. Entries expire in the order they were
+        stored (one ``ttl`` for all), so only the oldest are looked at."""
+        now, n = self._clock(), 0
+        while self.items:
+            response_id, stored = next(iter(self.items.items()))
+            if stored.expires > now:
+                break
+            self._drop(response_id, "expired")
+            n += 1
+        return n
+
+    def _drop(self, response_id: str, why: str | None = None) -> None:
         stored = self.items.pop(response_id)
         self.size -= stored.size
+        if why is not None:
+            self.dropped[why] += 1
         stored.conv.close_nowait()
 
     def close(self) -> None:

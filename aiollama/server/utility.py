@@ -28,7 +28,8 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
 
 async def tokenize(state: State, request: HttpRequest) -> Response:
     """``{"content", "add_special" (false), "parse_special" (true), "with_pieces" (false)}``."""
-    body = json_object(await state.guard.read_json(request), frozenset({"content", "add_special", "parse_special", "with_pieces"}))
+    body = json_object(await state.guard.read_json(request),
+                       frozenset({"content", "add_special", "parse_special", "with_pieces"}))
     content = body.get("content")
     if not isinstance(content, str):
         raise BadRequest("'content' must be a string", param="content")

@@ -158,8 +158,8 @@ def table(r: dict[str, Any]) -> str:
         got = {v: r["aiollama"][v]["levels"][n]["tps"] for v in names}
         best = max(got.values())
         s, c = server.get(n, 0.0), bb.get(n, 0.0)
-        steps = " / ".join(f"{r['aiollama'][v]['levels'][n]['step_ms']:.1f} ({r['aiollama'][v]['levels'][n]['decode_ms']:.1f})"
-                           for v in names)
+        level = {v: r["aiollama"][v]["levels"][n] for v in names}
+        steps = " / ".join(f"{level[v]['step_ms']:.1f} ({level[v]['decode_ms']:.1f})" for v in names)
         lines.append(f"| {n} | {c:.0f} | {s:.0f} | " + " | ".join(f"{got[v]:.0f}" for v in names) +
                      f" | {best / s if s else 0:.2f} | {best / c if c else 0:.2f} | {steps} |")
     lines += ["", f"Steady state, {max(levels)} streams, tokens/s per round (last/first):", ""]
