@@ -545,16 +545,16 @@ async def test_an_engine_refuses_a_projector_it_cannot_use(tiny_path: Path, mmpr
 
 def test_a_whole_picture_waits_for_a_step_with_room_for_it() -> None:
     from aiollama.formats.media import placeholders
-    from aiollama.sched.scheduler import Scheduler
+    from aiollama.sched.scheduler import Scheduler, SchedulerConfig
     from aiollama.sched.step import Sampled, StepResult, StepStatus
 
-    sched = Scheduler(n_ctx=256, n_seq_max=4, n_batch=16, step_tokens=16, whole_images=True)
+    sched = Scheduler(SchedulerConfig(n_ctx=256, n_seq_max=4, n_batch=16, step_tokens=16, whole_images=True))
     sched.add(1, [5, 6, 7])
     sched.submit(1)
     sched.update(plan := sched.schedule(), StepResult(StepStatus.OK, (Sampled(1, 9, b"", False),)))
     assert plan.slices[0].tokens == (5, 6, 7)
     sched.add(2, placeholders(0, 16) + [8])  # 16 rows: with conversation 1's row, no step has room
-    sched.images.add(2, {0: ["row"] * 16})
+    sched.add_images(2, {0: ["row"] * 16})
     sched.submit(2)
     for _ in range(3):
         plan = sched.schedule()

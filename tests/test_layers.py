@@ -34,6 +34,15 @@ EVENT_LOOP_LAYERS = {"api", "services"}
 EVENT_LOOP_LIBRARIES = {"anyio", "sniffio", "trio", "asyncio"}
 MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 250
+# the scheduler's face (the package's namespace) and the step types: all the decode thread imports
+# of sched/, and all that any module outside sched/ sees of its state
+SCHED_FACE = {"aiollama.sched", "aiollama.sched.step"}
+# what sched/ keeps to itself: the KV manager, its queues, planner and sequences
+SCHED_PRIVATE = {"aiollama.sched.kvcache", "aiollama.sched.recurrent", "aiollama.sched.queues",
+                 "aiollama.sched.planner", "aiollama.sched.sequence", "aiollama.sched.hostcache",
+                 "aiollama.sched.checkpoints", "aiollama.sched.sharing", "aiollama.sched.idle", "aiollama.sched.room"}
+# attributes by which a scheduler's KV manager or queues would be reached from outside
+SCHED_INSIDES = {"_kv", "_queues", "_plan", "_rules", "memory_rules"}
 
 
 def module_name(path: Path) -> str:
@@ -87,6 +96,29 @@ def test_imports_follow_the_rules(module: str) -> None:
     here = layer(module)
     bad = sorted(n for n in imports(MODULES[module]) if ours(n) and layer(n) != here and layer(n) not in RULES[here])
     assert bad == [], f"{module} ({here}) may import only {sorted(RULES[here])}: {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer(m) == "decoder"))
+def test_the_decode_thread_sees_only_the_schedulers_face(module: str) -> None:
+    sched = sorted(n for n in imports(MODULES[module]) if n.startswith("aiollama.sched") and n not in SCHED_FACE)
+    assert sched == [], f"{module} may import of sched/ only {sorted(SCHED_FACE)}: {sched}"
+
+
+def _name(node: ast.expr) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer(m) != "sched"))
+def test_no_module_outside_sched_touches_the_kv_manager(module: str) -> None:
+    private = sorted(imports(MODULES[module]) & SCHED_PRIVATE)
+    assert private == [], f"{module} imports what sched/ keeps to itself: {private}"
+    tree = ast.parse(MODULES[module].read_text())
+    reached = sorted({f"line {node.lineno}: .{node.attr}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and node.attr in SCHED_INSIDES})
+    assert reached == [], f"{module} reaches into a scheduler: {reached}"
+    kv = sorted({f"line {node.lineno}" for node in ast.walk(tree)
+                 if isinstance(node, ast.Attribute) and node.attr == "kv" and _name(node.value) in {"scheduler", "sched"}})
+    assert kv == [], f"{module} reads a scheduler's KV manager: {kv}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

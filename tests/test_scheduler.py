@@ -11,7 +11,7 @@ from fake_kv import FakeKV
 
 from aiollama.errors import ContextFull
 from aiollama.sched.kvcache import MIN_PARK_TOKENS
-from aiollama.sched.scheduler import MIN_PREFILL_CHUNK, Scheduler, common_prefix
+from aiollama.sched.scheduler import MIN_PREFILL_CHUNK, Scheduler, SchedulerConfig, common_prefix
 from aiollama.sched.sequence import Phase
 from aiollama.sched.step import Compact, Copy, Plan, Sampled, StepResult, StepStatus
 
@@ -22,9 +22,9 @@ class Harness:
     def __init__(self, n_ctx: int = 256, n_seq_max: int = 4, n_batch: int = 64, step_tokens: int = 32,
                  max_running: int | None = None, host_bytes: int = 0, ordered: bool = False,
                  kv_unified: bool = False) -> None:
-        self.sched = Scheduler(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, step_tokens=step_tokens,
-                               max_running=max_running, host_bytes=host_bytes, ordered=ordered,
-                               kv_unified=kv_unified)
+        self.sched = Scheduler(SchedulerConfig(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, step_tokens=step_tokens,
+                                               max_running=max_running, host_bytes=host_bytes, ordered=ordered,
+                                               kv_unified=kv_unified))
         self.kv = FakeKV(n_ctx, n_seq_max, ordered=ordered)
         self.generated: dict[int, list[int]] = {}
         self.limit: dict[int, int] = {}
@@ -41,7 +41,7 @@ class Harness:
         plan = self.sched.schedule()
         self.plans.append(plan)
         applied = self.kv.apply(plan.ops)
-        assert plan.n_tokens <= self.sched.n_batch
+        assert plan.n_tokens <= self.sched.config.n_batch
         assert self.kv.decode(plan), "the plan did not fit the KV cache"
         token = 1000 + len(self.plans)
         sampled = tuple(Sampled(s.conv, token, b"", False) for s in plan.slices if s.logits)
@@ -54,8 +54,8 @@ class Harness:
         return plan
 
     def check(self) -> None:
-        assert self.kv.used == self.sched.kv.cells.used
-        assert self.kv.tombstones == self.sched.kv.holes
+        assert self.kv.used == self.sched._kv.cells.used
+        assert self.kv.tombstones == self.sched._kv.holes
         ids = [s.seq_id for s in self.sched.sequences() if s.seq_id is not None]
         assert len(ids) == len(set(ids))
         for seq in self.sched.sequences():
@@ -100,14 +100,14 @@ def test_fork_shares_the_prefix() -> None:
     h = Harness(n_ctx=512)
     h.start(1, list(range(1, 101)), 1)
     h.run()
-    used = h.sched.kv.cells.used
+    used = h.sched._kv.cells.used
     for child in (2, 3, 4):
         h.sched.fork(1, child)
         h.start(child, None, 10)
     h.run()
     assert any(isinstance(op, Copy) for plan in h.plans for op in plan.ops)
     # three continuations of ~10 tokens; the 100-token prefix is not copied
-    assert h.sched.kv.cells.used <= used + 3 * 11
+    assert h.sched._kv.cells.used <= used + 3 * 11
 
 
 def test_followers_wait_for_the_leader_instead_of_evaluating_twice() -> None:
@@ -122,7 +122,7 @@ def test_followers_wait_for_the_leader_instead_of_evaluating_twice() -> None:
     for conv in range(1, 4):
         seq = h.sched.get(conv)
         assert (seq.prompt_tokens, seq.cached_tokens) == (len(prefix) + 1, len(prefix))
-    assert h.sched.cache_hit_tokens == 3 * len(prefix)
+    assert h.sched.statistics().cache_hit_tokens == 3 * len(prefix)
 
 
 def test_idle_conversations_are_evicted_lru_for_seq_ids() -> None:
@@ -130,7 +130,7 @@ def test_idle_conversations_are_evicted_lru_for_seq_ids() -> None:
     for conv in (1, 2):
         h.start(conv, [conv, conv + 10], 2)
     h.run()
-    assert h.sched.kv.n_holders == 2  # both idle, both cached
+    assert h.sched._kv.n_holders == 2  # both idle, both cached
     h.sched.append(1, [7])  # conversation 1 was used more recently
     h.start(3, [3, 30], 2)
     h.run()
@@ -163,14 +163,14 @@ def test_closed_conversations_leave_their_prefixes_in_the_cache() -> None:
     h.sched.fork(1, 2)
     h.start(2, None, 3)
     h.run()
-    used = h.sched.kv.cells.used
+    used = h.sched._kv.cells.used
     history = list(h.sched.get(1).tokens)
     h.sched.remove(1)
     h.sched.remove(2)
     h.kv.apply(h.sched.take_ops())
-    assert h.sched.n_live == 0 and h.sched.kv.n_entries == 2
-    assert h.sched.kv.cells.used == h.kv.used == used  # nothing freed: it is cache now
-    assert h.sched.kv.cells_cached() == used
+    assert h.sched.statistics().live == 0 and h.sched._kv.n_entries == 2
+    assert h.sched._kv.cells.used == h.kv.used == used  # nothing freed: it is cache now
+    assert h.sched._kv.cells_cached() == used
     # a new conversation that starts with one of them evaluates only what is new
     before = sum(p.n_tokens for p in h.plans)
     h.start(3, history + [77, 78], 1)
@@ -188,7 +188,7 @@ def test_a_closed_prefix_another_holder_covers_is_not_kept_twice() -> None:
     h.run()
     h.sched.remove(1)  # all of it is held by 2 as well
     h.kv.apply(h.sched.take_ops())
-    assert h.sched.kv.n_entries == 0 and h.kv.used == h.sched.kv.cells.used
+    assert h.sched._kv.n_entries == 0 and h.kv.used == h.sched._kv.cells.used
 
 
 def test_the_cache_gives_cells_back_least_recently_used_first() -> None:
@@ -197,14 +197,14 @@ def test_the_cache_gives_cells_back_least_recently_used_first() -> None:
         h.start(conv, [conv * 100 + i for i in range(30)], 2)
         h.run()
         h.sched.remove(conv)
-    assert h.sched.kv.n_entries == 3 and h.sched.kv.cells.used == 93  # 31 cached each
+    assert h.sched._kv.n_entries == 3 and h.sched._kv.cells.used == 93  # 31 cached each
     h.start(4, [400 + i for i in range(60)], 2)  # needs 61 cells, 35 are free
     h.run()
-    cached = {e.tokens[0] // 100: e.n_cached for e in h.sched.kv.holders() if e.entry}
+    cached = {e.tokens[0] // 100: e.n_cached for e in h.sched._kv.holders() if e.entry}
     # the least recently used entry gave its tail first, and only as much as was needed
     assert cached.get(3) == 31 and cached.get(1, 0) < cached.get(2, 0) <= 31
     assert sum(31 - cached.get(k, 0) for k in (1, 2, 3)) == 61 - 35
-    assert h.kv.used == h.sched.kv.cells.used
+    assert h.kv.used == h.sched._kv.cells.used
 
 
 @pytest.mark.parametrize("host_bytes", [0, 1 << 20])
@@ -214,10 +214,10 @@ def test_preempted_streams_are_parked_and_restored(host_bytes: int) -> None:
         h.start(conv, [conv * 100 + i for i in range(20)], 12)
     h.run()
     assert all(len(g) == 12 for g in h.generated.values())
-    assert h.sched.preemptions > 0
+    assert h.sched.statistics().preemptions > 0
     evaluated = sum(p.n_tokens for p in h.plans)
     if host_bytes:
-        assert h.sched.kv.parks > 0 and h.sched.kv.restores > 0
+        assert h.sched._kv.parks > 0 and h.sched._kv.restores > 0
         # only a stream preempted before it had MIN_PARK_TOKENS cached is evaluated again
         assert evaluated <= 4 * 20 + 4 * 11 + MIN_PARK_TOKENS
     else:
@@ -292,7 +292,7 @@ def test_ordered_cells_are_reclaimed_by_compaction_and_keep_every_sequence(host_
         h.kv.apply(h.sched.take_ops())
         h.check()
         conv += 4
-    kv = h.sched.kv
+    kv = h.sched._kv
     assert kv.compactions == h.kv.compactions > 0
     assert kv.evictions > 0
     assert all(len(g) == h.limit[c] for c, g in h.generated.items())
@@ -307,7 +307,7 @@ def test_ordered_compaction_shares_each_prefix_once() -> None:
         h.start(child, None, 6)
     h.run()
     used = h.kv.used
-    h.sched.kv.compact()
+    h.sched._kv.compact()
     ops = h.sched.take_ops()
     h.kv.apply(ops)
     h.check()
@@ -326,13 +326,13 @@ def test_unordered_cells_are_freed_at_once() -> None:
     h.run()
     h.sched.rewind(1, 10)
     h.kv.apply(h.sched.take_ops())
-    assert h.sched.kv.holes == 0 and h.kv.tombstones == 0
-    h.sched.kv.room(60)
-    assert h.sched.kv.compactions == 0
+    assert h.sched._kv.holes == 0 and h.kv.tombstones == 0
+    h.sched._kv.room(60)
+    assert h.sched._kv.compactions == 0
 
 
 def test_ordered_cells_count_the_draft_tokens_the_executor_removed() -> None:
-    sched = Scheduler(n_ctx=64, n_seq_max=2, n_batch=64, step_tokens=64, ordered=True)
+    sched = Scheduler(SchedulerConfig(n_ctx=64, n_seq_max=2, n_batch=64, step_tokens=64, ordered=True))
     sched.add(1, [1, 2, 3, 4, 5, 6, 1, 2, 3])
     sched.submit(1, draft=4)
     plan = sched.schedule()  # the prompt
@@ -342,7 +342,7 @@ def test_ordered_cells_count_the_draft_tokens_the_executor_removed() -> None:
     assert s.tokens[1:] == (5, 6, 1, 2) and s.draft == 4
     # one draft token taken, then another token chosen: the executor removed 3 draft cells
     sched.update(plan, StepResult(StepStatus.OK, (Sampled(1, 5, b"", False), Sampled(1, 9, b"", False))))
-    assert sched.kv.holes == 3 and sched.get(1).n_cached == 11
+    assert sched._kv.holes == 3 and sched.get(1).n_cached == 11
 
 
 @pytest.mark.parametrize("host_bytes", [0, 1 << 20])
@@ -355,13 +355,13 @@ def test_idle_cells_of_a_unified_cache_are_given_back_while_others_run(monkeypat
     shared = list(range(1, 41))
     h.start(1, shared + list(range(100, 140)), 4)  # 83 cells, the first 40 a system prompt
     h.run()
-    assert h.sched.kv.cells.used == 83  # nothing runs: the idle keep everything
+    assert h.sched._kv.cells.used == 83  # nothing runs: the idle keep everything
     h.start(3, shared + list(range(300, 310)), 30)  # shares conversation 1's first 40 cells
     h.step()
     # while 3 runs, only what it holds and at most IDLE_CELLS more stay in the context
-    assert h.sched.kv.cells.used <= 40 + 10 + 8
+    assert h.sched._kv.cells.used <= 40 + 10 + 8
     assert h.sched.get(3).cached_tokens == 40
-    assert len(h.sched.kv.host) == (1 if host_bytes else 0)  # parked: a later hit is a copy
+    assert len(h.sched._kv.host) == (1 if host_bytes else 0)  # parked: a later hit is a copy
     h.run()
     h.start(1, None, 2)  # conversation 1 again, alone
     h.run()
@@ -374,4 +374,4 @@ def test_a_split_cache_keeps_its_idle_cells_under_load() -> None:
     h.run()
     h.start(3, list(range(300, 310)), 30)
     h.step()
-    assert h.sched.kv.cells.used == 43 + 10  # each seq id's cells are its own: nobody's step reads them
+    assert h.sched._kv.cells.used == 43 + 10  # each seq id's cells are its own: nobody's step reads them

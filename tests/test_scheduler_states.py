@@ -36,7 +36,7 @@ from hypothesis.stateful import (
 from aiollama.errors import ContextFull
 from aiollama.formats.media import image_row, placeholders
 from aiollama.sched.kvtree import common_prefix
-from aiollama.sched.scheduler import Scheduler
+from aiollama.sched.scheduler import Scheduler, SchedulerConfig
 from aiollama.sched.sequence import Phase
 from aiollama.sched.step import Plan, Sampled, StepResult, StepStatus
 
@@ -55,9 +55,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(host=st.sampled_from([0, HOST]), checkpoints=st.sampled_from([0, HOST]))
     def setup(self, host: int, checkpoints: int) -> None:
-        self.sched = Scheduler(n_ctx=N_CTX, n_seq_max=N_SEQ_IDS, n_batch=N_BATCH, step_tokens=STEP,
-                               max_running=MAX_RUNNING, host_bytes=host, memory=self.memory,
-                               checkpoint_bytes=checkpoints, whole_images=self.images)
+        self.sched = Scheduler(SchedulerConfig(n_ctx=N_CTX, n_seq_max=N_SEQ_IDS, n_batch=N_BATCH, step_tokens=STEP,
+                                               max_running=MAX_RUNNING, host_bytes=host, memory=self.memory,
+                                               checkpoint_bytes=checkpoints, whole_images=self.images))
         self.kv = FakeKV(N_CTX, N_SEQ_IDS, recurrent=self.memory != "kv")
         self.next_id = 1
         self.limits: dict[int, int] = {}  # running generations: tokens still to generate
@@ -75,7 +75,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.add(self.next_id, (SYSTEM if shared else []) + toks)
         self.next_id += 1
 
-    @precondition(lambda self: self.sched.n_live)
+    @precondition(lambda self: self.sched.statistics().live)
     @rule(data=st.data(), toks=tokens)
     def prompt(self, data: st.DataObject, toks: list[int]) -> None:
         conv = data.draw(st.sampled_from(self._live()))
@@ -93,7 +93,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.add(conv, SYSTEM + picture(number) + toks)
         else:
             self.sched.append(conv, picture(number) + toks)
-        self.sched.images.add(conv, {number: ["row"] * len(picture(number))})
+        self.sched.add_images(conv, {number: ["row"] * len(picture(number))})
 
     def _check_pictures(self, plan: Plan) -> None:
         assert all(s.tokens for s in plan.slices), "an empty slice"
@@ -108,7 +108,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 (number, row), following = image_row(s.tokens[-1]), image_row(history[end])
                 assert following != (number, row + 1), "a slice ends inside a picture"
 
-    @precondition(lambda self: self.sched.n_live)
+    @precondition(lambda self: self.sched.statistics().live)
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         parent = data.draw(st.sampled_from(self._live()))
@@ -116,7 +116,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.fork(parent, self.next_id, n)
         self.next_id += 1
 
-    @precondition(lambda self: self.sched.n_live)
+    @precondition(lambda self: self.sched.statistics().live)
     @rule(data=st.data(), n=st.one_of(st.integers(1, 8), st.integers(60, 150)), shift=st.booleans(),
           draft=st.sampled_from([0, 0, 4]))
     def stream(self, data: st.DataObject, n: int, shift: bool, draft: int) -> None:
@@ -141,7 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         del self.limits[conv]
         self.cancelled.add(conv)
 
-    @precondition(lambda self: self.sched.n_live)
+    @precondition(lambda self: self.sched.statistics().live)
     @rule(data=st.data())
     def rewind(self, data: st.DataObject) -> None:
         conv = data.draw(st.sampled_from(self._live()))
@@ -150,7 +150,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.rewind(conv, data.draw(st.integers(0, len(seq.tokens))))
             self._apply_ops()
 
-    @precondition(lambda self: self.sched.n_live)
+    @precondition(lambda self: self.sched.statistics().live)
     @rule(data=st.data())
     def close(self, data: st.DataObject) -> None:
         conv = data.draw(st.sampled_from(self._live()))
@@ -226,16 +226,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def seq_ids_are_unique_and_in_range(self) -> None:
-        ids = [s.seq_id for s in self.sched.kv.holders()]
+        ids = [s.seq_id for s in self.sched._kv.holders()]
         assert len(ids) == len(set(ids))
         assert all(i is not None and 0 <= i < N_SEQ_IDS for i in ids)
-        assert self.sched.n_active <= MAX_RUNNING
+        assert self.sched.statistics().active <= MAX_RUNNING
 
     @invariant()
     def every_holder_holds_its_own_prefix(self) -> None:
-        assert self.kv.used == self.sched.kv.cells.used <= N_CTX
-        held = {s.seq_id for s in self.sched.kv.holders()}
-        for seq in self.sched.kv.holders():
+        assert self.kv.used == self.sched._kv.cells.used <= N_CTX
+        held = {s.seq_id for s in self.sched._kv.holders()}
+        for seq in self.sched._kv.holders():
             assert seq.seq_id is not None
             # positions are contiguous from 0, and the cells hold exactly the sequence's prefix
             assert self.kv.positions(seq.seq_id) == list(range(seq.n_cached))
@@ -243,14 +243,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert seq.n_cached <= len(seq.tokens)
         for _, ids, _ in self.kv.cells:
             assert ids <= held
-        assert self.sched.kv.cells_cached() <= self.sched.kv.cells.used
+        assert self.sched._kv.cells_cached() <= self.sched._kv.cells.used
 
     @invariant()
     def the_radix_tree_finds_the_longest_cached_prefix(self) -> None:
-        holders = list(self.sched.kv.holders())
+        holders = list(self.sched._kv.holders())
         for probe in [h.tokens for h in holders] + [s.tokens + [9] for s in self.sched.sequences()]:
             expected = max((min(common_prefix(probe, h.tokens), h.n_cached) for h in holders), default=0)
-            donor, n = self.sched.kv.find(probe, len(probe))
+            donor, n = self.sched._kv.find(probe, len(probe))
             assert n == expected
             if n:
                 assert donor is not None and donor.n_cached >= n and donor.tokens[:n] == probe[:n]
@@ -259,14 +259,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def recurrent_states_follow_their_cells(self) -> None:
         if self.memory == "kv":
             return
-        for seq in self.sched.kv.holders():
+        for seq in self.sched._kv.holders():
             assert seq.seq_id is not None
             assert self.kv.states.get(seq.seq_id, ()) == tuple(seq.tokens[:seq.n_cached]), \
                 f"seq {seq.seq_id}: its recurrent state is not the one after its {seq.n_cached} cells"
 
     @invariant()
     def host_memory_stays_within_its_budget(self) -> None:
-        assert self.sched.kv.host.used_bytes <= self.sched.kv.host.budget
+        assert self.sched._kv.host.used_bytes <= self.sched._kv.host.budget
 
     def teardown(self) -> None:
         # every waiting or running generation is served eventually

@@ -21,7 +21,7 @@ from aiollama import (
     SamplingParams,
     SyncEngine,
 )
-from aiollama.sched.scheduler import AGING_SECONDS, Scheduler
+from aiollama.sched.scheduler import AGING_SECONDS, Scheduler, SchedulerConfig
 
 
 def fake(config: EngineConfig) -> FakeExecutor:
@@ -146,7 +146,8 @@ async def test_a_high_priority_stream_goes_before_the_queued_low_ones() -> None:
 
 def test_a_waiting_low_priority_stream_is_not_starved() -> None:
     now = [0.0]
-    sched = Scheduler(n_ctx=4096, n_seq_max=4, n_batch=64, step_tokens=64, max_running=1, clock=lambda: now[0])
+    sched = Scheduler(SchedulerConfig(n_ctx=4096, n_seq_max=4, n_batch=64, step_tokens=64, max_running=1),
+                      clock=lambda: now[0])
     for conv in range(4):
         sched.add(conv, [1, 2, 3])
     sched.submit(0)

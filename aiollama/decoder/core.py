@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass
 
 from aiollama.config import EngineConfig
-from aiollama.decoder.commands import Admission, Command
+from aiollama.decoder.commands import Admission, Command, Portal
 from aiollama.decoder.generations import Generations, stats_of
 from aiollama.decoder.handlers import Handlers
 from aiollama.decoder.outbox import Outbox, wake
 from aiollama.decoder.outputs import STEP_BUCKETS, FinishReason, Statistics
 from aiollama.errors import DecodeError, EngineDead
-from aiollama.sched.scheduler import Scheduler
+from aiollama.sched import Scheduler, SchedulerConfig
 from aiollama.sched.step import Executor, Plan, StepResult, StepStatus
 
 MAX_NO_SLOT_RETRIES = 16
@@ -52,14 +52,7 @@ class EngineCore:
         self.executor = executor
         self.config = config
         self.admission = admission
-        self.scheduler = Scheduler(n_ctx=executor.n_ctx, n_cells=executor.n_cells, n_seq_max=executor.n_seq_max,
-                                   n_batch=executor.n_batch,
-                                   step_tokens=config.step_tokens, max_running=config.n_seq_max,
-                                   host_bytes=config.host_cache_bytes, can_shift=executor.can_shift,
-                                   ordered=config.deterministic, draft_model=config.draft_model is not None,
-                                   kv_unified=executor.kv_unified, memory=executor.memory,
-                                   checkpoint_bytes=config.checkpoint_bytes,
-                                   whole_images=getattr(executor, "whole_images", False))
+        self.scheduler = Scheduler(scheduler_config(executor, config))
         self.outbox = Outbox()
         self.generations = Generations(admission, self.outbox, executor.n_ctx)
         self.prefilling: frozenset[int] = frozenset()  # a cancel of these aborts the running decode
@@ -67,6 +60,7 @@ class EngineCore:
         self._counters = _Counters()
         self._step_counts = [0] * (len(STEP_BUCKETS) + 1)
         self._no_slot_streak = 0
+        self._unwoken: list[Portal] = []
         self.handlers = Handlers(self)
         self.publish()
 
@@ -76,6 +70,13 @@ class EngineCore:
 
     def step(self) -> None:
         started = time.perf_counter()
+        plan = self.schedule()
+        result = self.execute(plan)
+        self.update(plan, result)
+        self.deliver(plan, started)
+
+    def schedule(self) -> Plan:
+        """The step's plan; the generations learn who was admitted and whose history shifted."""
         plan = self.scheduler.schedule()
         self.generations.admitted(plan.admitted)
         for conv, keep, n in plan.shifted:
@@ -84,13 +85,20 @@ class EngineCore:
             self.prefilling = plan.prefilling
             if plan.admitted or self.prefilling:
                 self.publish()  # admissions and prompts show while a long decode runs
-        unwoken = self.outbox.take_unwoken()
+        return plan
+
+    def execute(self, plan: Plan) -> StepResult:
+        """The plan run by the executor. The event loops that have chunks of the last step waiting
+        are woken as the decode starts, when the executor releases the GIL (at once without one)."""
+        self._unwoken = unwoken = self.outbox.take_unwoken()
         if plan.slices:
-            result = self.executor.execute(plan, lambda: wake(unwoken))
-        else:
-            wake(unwoken)
-            result = self.executor.execute(plan)
-        wake(unwoken)  # in case no decode started: a portal woken already is not asked again
+            return self.executor.execute(plan, lambda: wake(unwoken))
+        wake(unwoken)
+        return self.executor.execute(plan)
+
+    def update(self, plan: Plan, result: StepResult) -> None:
+        """The step's result applied: the cache and histories, the counters, and the finish rules.
+        Raises DecodeError when llama.cpp failed, or keeps finding no KV slot with nothing to free."""
         self.prefilling = frozenset()
         progressed = self.scheduler.update(plan, result)
         if plan.slices:
@@ -110,8 +118,13 @@ class EngineCore:
                 raise DecodeError("llama.cpp keeps finding no KV slot and nothing can be freed")
         elif result.status is StepStatus.FAILED:
             raise DecodeError(result.detail)
-        # The whole step counts, delivery included: up to here in the numbers published now, the
-        # publishing and the hop in the next ones.
+
+    def deliver(self, plan: Plan, started: float) -> None:
+        """The step's output to its consumers: the numbers published, then one hop per event loop.
+        The whole step counts, delivery included: up to the publishing in the numbers published
+        now, the publishing and the hop in the next ones."""
+        wake(self._unwoken)  # in case no decode started: a portal woken already is not asked again
+        self._unwoken = []
         counted = time.perf_counter()
         if plan.slices:
             self._counters.step_seconds += counted - started
@@ -131,14 +144,14 @@ class EngineCore:
         sampler, keep its KV as a cache, and append the prompts that waited for it. ``past_end``
         tokens at the end of the history came after the generation's end (drafted): they go."""
         gens = self.generations
-        stats = stats_of(self.scheduler.get(conv), gens.get(conv)) if reason is not None or error is not None \
+        stats = stats_of(self.scheduler.progress(conv), gens.get(conv)) if reason is not None or error is not None \
             else None
         guide = gens.get(conv).guide
         deferred = gens.end(conv, reason, error, stats)
         self.executor.stop_sampling(conv)
         self.scheduler.finish(conv)
         if past_end:
-            self.scheduler.rewind(conv, len(self.scheduler.get(conv).tokens) - past_end)
+            self.scheduler.rewind(conv, self.scheduler.length(conv) - past_end)
             self._counters.tokens_generated -= past_end
         for tokens in deferred:
             self.scheduler.append(conv, tokens)
@@ -180,17 +193,19 @@ class EngineCore:
             c.tokens_evaluated += sum(max(0, n_cached.get(s.conv, s.pos) - s.pos) for s in plan.slices)
 
     def publish(self) -> None:
-        c, kv, sched = self._counters, self.scheduler.kv, self.scheduler
+        c = self._counters
         self.statistics = Statistics(
-            live=sched.n_live, active=sched.n_active, queued=sched.n_queued,
-            kv_cells_used=kv.cells.used, kv_cells_cached=kv.cells_cached() if kv.n_entries else 0,
-            kv_cells_total=kv.cells.n_cells, seq_ids_used=kv.n_holders, cache_entries=kv.n_entries,
-            n_seq_max=sched.max_running, tokens_evaluated=c.tokens_evaluated, tokens_generated=c.tokens_generated,
-            decode_steps=c.decode_steps, aborted_steps=c.aborted_steps, decode_seconds=c.decode_seconds,
-            step_seconds=c.step_seconds, step_histogram=tuple(self._step_counts),
-            cache_hit_tokens=sched.cache_hit_tokens, parked=len(kv.host), parked_bytes=kv.host.used_bytes,
-            parks=kv.parks, restores=kv.restores, evictions=kv.evictions, preemptions=sched.preemptions,
-            compactions=kv.compactions, checkpoints=len(kv.checkpoints), checkpoint_bytes=kv.checkpoints.n_bytes,
-            checkpoints_used=kv.checkpoints.used, weights_device=self.executor.placement,
-            kv_device=self.executor.placement)
+            **vars(self.scheduler.statistics()), tokens_evaluated=c.tokens_evaluated,
+            tokens_generated=c.tokens_generated, decode_steps=c.decode_steps, aborted_steps=c.aborted_steps,
+            decode_seconds=c.decode_seconds, step_seconds=c.step_seconds, step_histogram=tuple(self._step_counts),
+            weights_device=self.executor.placement, kv_device=self.executor.placement)
 
+
+def scheduler_config(executor: Executor, config: EngineConfig) -> SchedulerConfig:
+    """The scheduler of an engine: the context's shape from its executor, the policy from its config."""
+    return SchedulerConfig(
+        n_ctx=executor.n_ctx, n_cells=executor.n_cells, n_seq_max=executor.n_seq_max, n_batch=executor.n_batch,
+        step_tokens=config.step_tokens, max_running=config.n_seq_max, host_bytes=config.host_cache_bytes,
+        can_shift=executor.can_shift, ordered=config.deterministic, draft_model=config.draft_model is not None,
+        kv_unified=executor.kv_unified, memory=executor.memory, checkpoint_bytes=config.checkpoint_bytes,
+        whole_images=getattr(executor, "whole_images", False))

@@ -20,15 +20,23 @@ import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiollama.decoder.commands import Admission, Portal, Sink
 from aiollama.decoder.outbox import Outbox
 from aiollama.decoder.outputs import Delta, FinishReason, GenerationStats, TokenLogprob
 from aiollama.formats.text import TextAssembler
 from aiollama.sampling import SamplingParams
-from aiollama.sched.scheduler import Scheduler
-from aiollama.sched.sequence import SeqState
+from aiollama.sched import Progress
 from aiollama.sched.step import Sampled, Scored, StepResult
+
+
+class Histories(Protocol):
+    """What the finish rules read of the conversations' histories (the scheduler's face)."""
+
+    def length(self, conv: int) -> int: ...
+
+    def progress(self, conv: int) -> Progress: ...
 
 
 @dataclass(eq=False)
@@ -51,13 +59,11 @@ class Generation:
     prompt: int = 0  # the history's length when it began
 
 
-def stats_of(seq: SeqState, gen: Generation | None = None) -> GenerationStats:
-    """What the generation of ``seq`` cost, timed up to now."""
-    draft = seq.draft
+def stats_of(seq: Progress, gen: Generation | None = None) -> GenerationStats:
+    """What a generation cost, from where its conversation stands, timed up to now."""
     stats = GenerationStats(prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens,
-                            preemptions=seq.preemptions, restores=seq.restores,
-                            drafted=draft.drafted if draft else 0, accepted=draft.accepted if draft else 0,
-                            prompt_evaluated=seq.prompt_evaluated)
+                            preemptions=seq.preemptions, restores=seq.restores, drafted=seq.drafted,
+                            accepted=seq.accepted, prompt_evaluated=seq.prompt_evaluated)
     if gen is None or not gen.created:
         return stats
     now = time.perf_counter()
@@ -129,7 +135,7 @@ class Generations:
         """The prompts waiting for ``conv``'s generation to end (a fork inherits them)."""
         return list(self._deferred.get(conv, ()))
 
-    def update(self, result: StepResult, scheduler: Scheduler) -> dict[int, int]:
+    def update(self, result: StepResult, histories: Histories) -> dict[int, int]:
         """Turn the step's sampled tokens into deltas; return the conversations whose generation
         ended (call :meth:`end` for each, after the scheduler has seen the tokens), each with how
         many of its sampled tokens came after its end (a draft taken past a stop): the scheduler
@@ -138,7 +144,7 @@ class Generations:
         for conv, rows in result.scored.items():
             self._scored(conv, rows)
         if self._progress:
-            self._report(scheduler)
+            self._report(histories)
         left = collections.Counter(sampled.conv for sampled in result.sampled)
         now = time.perf_counter()
         for sampled in result.sampled:
@@ -152,21 +158,20 @@ class Generations:
                 gen.first_at = gen.first_at or now
                 gen.stepped_at = now
                 gen.decode_steps += 1
-            seq = scheduler.get(conv)
-            delta = self._next(gen, sampled, len(seq.tokens) - left[conv])
+            delta = self._next(gen, sampled, histories.length(conv) - left[conv])
             if delta.finish_reason is not None:
-                delta = dataclasses.replace(delta, stats=stats_of(seq, gen))
+                delta = dataclasses.replace(delta, stats=stats_of(histories.progress(conv), gen))
                 ended[conv] = 0
             self.outbox.emit(gen.sink, delta)
         return ended
 
-    def _report(self, scheduler: Scheduler) -> None:
+    def _report(self, histories: Histories) -> None:
         """The prompt progress of the generations that asked, where the step evaluated more of it."""
         for conv in list(self._progress):
-            gen, seq = self._gens[conv], scheduler.get(conv)
+            gen, seq = self._gens[conv], histories.progress(conv)
             if seq.prompt_tokens < 0:
                 continue  # not admitted yet
-            total = gen.prompt or len(seq.tokens)
+            total = gen.prompt or seq.n_tokens
             done = min(seq.n_cached, total)
             if done > gen.progress:
                 gen.progress = done

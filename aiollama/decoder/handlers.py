@@ -27,7 +27,7 @@ from aiollama.decoder.generations import Generations
 from aiollama.decoder.outbox import Outbox
 from aiollama.decoder.outputs import Ack, Delta, FinishReason, Snapshot, Vectors
 from aiollama.errors import AiollamaError, ConversationBusy, ConversationClosed
-from aiollama.sched.scheduler import Scheduler
+from aiollama.sched import Scheduler
 from aiollama.sched.step import Executor, Plan
 
 
@@ -65,7 +65,7 @@ class Handlers:
     def _prompt(self, command: Prompt) -> None:
         sched, gens = self.core.scheduler, self.core.generations
         if command.images and command.conv in sched:
-            sched.images.add(command.conv, command.images)
+            sched.add_images(command.conv, command.images)
         if command.conv in sched and not gens.defer(command.conv, command.tokens):
             sched.append(command.conv, command.tokens)
 
@@ -102,7 +102,7 @@ class Handlers:
             self.core.outbox.emit(command.sink, Delta(error=exc))
 
     def _clear_cache(self, command: ClearCache) -> None:
-        self.core.scheduler.kv.clear_cache()
+        self.core.scheduler.clear_cache()
         self.core.outbox.emit(command.ack, Ack())
 
     def _generate(self, command: Generate) -> None:
@@ -127,7 +127,7 @@ class Handlers:
             draft = self.core.config.draft_tokens if params.draft_tokens is None else params.draft_tokens
             if command.matcher is not None:  # a constraint's mask needs the tokens before it: one row at a time
                 draft = 0
-            self.core.executor.start_sampling(conv, params, self.core.scheduler.get(conv).tokens, command.matcher,
+            self.core.executor.start_sampling(conv, params, self.core.scheduler.tokens(conv), command.matcher,
                                          guidance=None if guide is None else (guide, command.guidance_scale))
             try:
                 dropped = self.core.scheduler.submit(conv, n_keep if shifts else None, draft, priority=params.priority,
@@ -140,7 +140,7 @@ class Handlers:
             self.core.outbox.emit(command.sink, Delta(error=exc))
             return
         self.core.generations.start(conv, params, command.sink, shifts=shifts, dropped=dropped, guide=guide,
-                               created=command.created, prompt=len(self.core.scheduler.get(conv).tokens))
+                               created=command.created, prompt=self.core.scheduler.length(conv))
 
     def _check_guide(self, conv: int, guide: int) -> None:
         if guide not in self.core.scheduler:
@@ -160,30 +160,21 @@ class Handlers:
             self.core.outbox.emit(command.sink, Delta(error=ConversationClosed("the conversation is closed")))
             return
         self._sync_kv()
-        seq = self.core.scheduler.get(command.conv)
-        state, n_cached = b"", 0
-        if seq.seq_id is not None and seq.n_cached > 0:
-            state, n_cached = self.core.executor.read_state(seq.seq_id), seq.n_cached
-        else:  # parked in host memory, perhaps
-            parked, n = self.core.scheduler.kv.host.best(seq.tokens, len(seq.tokens), seq.salt)
-            if parked is not None and parked.data is not None and n == len(parked.tokens):
-                state, n_cached = parked.data, n
-        images = self.core.scheduler.images
-        self.core.outbox.emit(command.sink, Snapshot(tuple(seq.tokens), n_cached if state else 0, state,
-                                                     {n: images.rows[n] for n in images.held(command.conv)}))
+        held = self.core.scheduler.held(command.conv)
+        state = held.parked or b""
+        if held.seq_id is not None:
+            state = self.core.executor.read_state(held.seq_id)
+        self.core.outbox.emit(command.sink, Snapshot(held.tokens, held.n_cached if state else 0, state,
+                                                     dict(held.images)))
 
     def _load(self, command: Load) -> None:
-        seq = self.core.scheduler.add(command.conv, command.tokens)
-        self.core.scheduler.images.add(command.conv, command.images)
-        kv = self.core.scheduler.kv
-        if command.state and 0 < command.n_cached <= len(command.tokens) and kv.free_cells(command.n_cached) \
-                and kv.assign(seq):
-            kv.room(command.n_cached)
+        sched = self.core.scheduler
+        n_cached = command.n_cached if command.state else 0
+        seq_id = sched.place(command.conv, command.tokens, command.images, n_cached)
+        if seq_id is not None:
             self._sync_kv()  # evictions first: they may have freed the very seq id now assigned
-            assert seq.seq_id is not None
-            if self.core.executor.write_state(seq.seq_id, command.state):
-                kv.extend(seq, command.n_cached)
-            else:
-                kv.drop(seq)
+            ok = self.core.executor.write_state(seq_id, command.state)
+            sched.placed(command.conv, n_cached, ok)
+            if not ok:
                 self._sync_kv()
         self.core.outbox.emit(command.sink, Ack())

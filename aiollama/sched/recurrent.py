@@ -11,13 +11,13 @@ states, eviction) is the same.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 
-from aiollama.sched.checkpoints import CHECKPOINT_EVERY, CheckpointStore, Saved
+from aiollama.sched.checkpoints import CheckpointStore, Saved
 from aiollama.sched.hostcache import HostCache
 from aiollama.sched.kvcache import KVManager
 from aiollama.sched.sequence import SeqState
-from aiollama.sched.step import Checkpoint, Plan, Remove, Restore
+from aiollama.sched.step import Checkpoint, Remove, Restore
 
 
 class RecurrentKV(KVManager):
@@ -29,33 +29,6 @@ class RecurrentKV(KVManager):
         super().__init__(n_cells, n_seq_max, host)
         self.checkpoints = checkpoints
         self.cells_held = cells_held
-
-    def after_step(self, plan: Plan, seqs: Mapping[int, SeqState]) -> None:
-        """Checkpoint each sequence whose prompt is evaluated but for its last token (the scheduler
-        left that token for the next step), and each that went ``CHECKPOINT_EVERY`` tokens of a
-        prefill or a generation without one (a reply that a chat client sends back re-tokenized
-        differently then loses at most that many tokens)."""
-        if not self.checkpoints.enabled:
-            return
-        for s in plan.slices:
-            seq = seqs.get(s.conv)
-            if seq is None or seq.seq_id is None or seq.n_cached <= seq.checkpoint_at:
-                continue
-            if (not s.logits and seq.pending == 1) or seq.n_cached - seq.checkpoint_at >= CHECKPOINT_EVERY:
-                self.checkpoint(seq)
-
-    def take(self, seq: SeqState, take: int, running: Iterable[SeqState]) -> int:
-        """How many of ``seq``'s pending tokens its prefill slice takes, of ``take``: its last token
-        waits for the next step, so that a checkpoint is taken before it, and a slice stops where a
-        follower waits to share the whole state (the leader then holds exactly their common prefix)."""
-        if seq.score:
-            return take
-        if take == seq.pending > 1 and self.checkpoints.enabled:
-            take -= 1
-        for other in running:
-            if other.follow is not None and other.follow[0] is seq and 0 < other.follow[1] - seq.n_cached < take:
-                take = other.follow[1] - seq.n_cached
-        return take
 
     def clear_cache(self) -> None:
         """Drop every cache entry, every parked state and every checkpoint."""

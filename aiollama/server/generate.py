@@ -19,9 +19,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from aiollama import Chunk, Conversation, Engine, SamplingParams, Stream, TokenLogprob
-from aiollama.errors import (
-    AiollamaError,
-)
+from aiollama.errors import AiollamaError
 from aiollama.sampling import seed_for
 from aiollama.server.chat_request import chat_request
 from aiollama.server.images import read_images
@@ -35,12 +33,7 @@ from aiollama.server.llama_shape import (
     prompt_text,
 )
 from aiollama.server.native_request import Native, llama_fields
-from aiollama.server.requests import (
-    BadRequest,
-    Request,
-    completion_request,
-    message_text,
-)
+from aiollama.server.requests import BadRequest, Request, completion_request, message_text
 from aiollama.server.shape import ChatChoice, TextChoice, prompt_logprobs
 from aiollama.server.state import (
     State,
