@@ -26,12 +26,12 @@ _EXPORTS = {
     "SyncConversation": "aiollama.api.blocking",
     "SyncStream": "aiollama.api.blocking",
     "EngineConfig": "aiollama.config",
-    "FinishReason": "aiollama.decoder.outputs",
-    "GenerationStats": "aiollama.decoder.outputs",
-    "Statistics": "aiollama.decoder.outputs",
-    "TokenLogprob": "aiollama.decoder.outputs",
+    "FinishReason": "aiollama.core.outputs",
+    "GenerationStats": "aiollama.core.outputs",
+    "Statistics": "aiollama.core.outputs",
+    "TokenLogprob": "aiollama.core.outputs",
     "Engine": "aiollama.api.engine",
-    "Image": "aiollama.api.media",
+    "Image": "aiollama.api.images",
     "SyncEngine": "aiollama.api.blocking",
     "SamplingParams": "aiollama.sampling",
     "Device": "aiollama.native.devices",
@@ -109,20 +109,20 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
     from aiollama.api.engine import (
         Engine as Engine,
     )
-    from aiollama.api.media import (
+    from aiollama.api.images import (
         Image as Image,
     )
     from aiollama.config import EngineConfig as EngineConfig
-    from aiollama.decoder.outputs import (
+    from aiollama.core.outputs import (
         FinishReason as FinishReason,
     )
-    from aiollama.decoder.outputs import (
+    from aiollama.core.outputs import (
         GenerationStats as GenerationStats,
     )
-    from aiollama.decoder.outputs import (
+    from aiollama.core.outputs import (
         Statistics as Statistics,
     )
-    from aiollama.decoder.outputs import (
+    from aiollama.core.outputs import (
         TokenLogprob as TokenLogprob,
     )
     from aiollama.errors import (

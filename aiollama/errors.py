@@ -114,7 +114,12 @@ class StateRestoreError(AiollamaError):
 
 
 class InvalidRequestError(AiollamaError, ValueError):
-    """Input that llama.cpp would reject or abort on, refused beforehand."""
+    """Input that llama.cpp would reject or abort on, refused beforehand. ``param`` names the
+    parameter at fault where one is (the server's 400s name it)."""
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class ConversationBusy(InvalidRequestError):

@@ -43,8 +43,8 @@ from fake_executor import ByteTokenizer  # noqa: E402
 import aiollama  # noqa: E402
 from aiollama.config import EngineConfig  # noqa: E402
 from aiollama.native import Batch, Context, Model, available_cpus  # noqa: E402
-from aiollama.native.sampler import sample_rows  # noqa: E402
-from aiollama.runner.sampler import build_chain  # noqa: E402
+from aiollama.native.sampler_chain import sample_rows  # noqa: E402
+from aiollama.runner.token_choice import build_chain  # noqa: E402
 from aiollama.sampling import SamplingParams  # noqa: E402
 from aiollama.sched.step import Plan, Sampled, StepResult, StepStatus  # noqa: E402
 

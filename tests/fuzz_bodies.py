@@ -2,7 +2,7 @@
 mutated by hypothesis: values swapped for wrong types, huge and negative numbers, NaN, long and
 odd unicode strings, deep nesting; fields dropped and unknown ones added; unknown item types.
 
-``tests/test_fuzz.py`` runs a few dozen per route in CI; ``benchmarks/fuzz.py`` runs thousands
+``tests/server/test_fuzz.py`` runs a few dozen per route in CI; ``benchmarks/fuzz.py`` runs thousands
 beside live streams. Both hold every answer to ``check``: a 2xx, or a 4xx in the API's own error
 shape; never a 5xx or a dropped connection.
 """

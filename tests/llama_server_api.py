@@ -1,6 +1,6 @@
 """Requests as llama-server's own clients send them, and the shape of an answer: its fields and
 their JSON types, which ``tests/data/server/llama_server.json`` records for llama-server's answers
-(``tests/data/server/make_goldens.py``) and ``tests/test_llama_server_api.py`` holds aiollama's to."""
+(``tests/data/server/make_goldens.py``) and ``tests/server/test_llama_server_api.py`` holds aiollama's to."""
 
 from __future__ import annotations
 

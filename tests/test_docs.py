@@ -80,3 +80,21 @@ def resolves(dotted: str) -> bool:
             obj = getattr(obj, name)
         return True
     return False
+
+
+def test_the_architecture_maps_every_module() -> None:
+    """docs/architecture.md's table of folders names each module of each folder, no more."""
+    mapped: dict[str, set[str]] = {}
+    for line in (DOCS / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[0].endswith("/`"):
+            folder = cells[0].strip("`").removeprefix("aiollama/")
+            mapped.setdefault(folder, set()).update(m.strip().strip("`") for m in cells[1].split(","))
+    package = ROOT / "aiollama"
+    actual = {"": {p.stem for p in package.glob("*.py")}}
+    for folder in (p for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        actual[f"{folder.name}/"] = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    wrong = {f"aiollama/{folder}": {"not in the table": sorted(actual.get(folder, set()) - mapped.get(folder, set())),
+                                    "not in the folder": sorted(mapped.get(folder, set()) - actual.get(folder, set()))}
+             for folder in mapped.keys() | actual.keys() if mapped.get(folder) != actual.get(folder)}
+    assert wrong == {}

@@ -23,10 +23,10 @@ RULES: dict[str, set[str]] = {
     "formats": {"base"},
     "sched": {"base", "formats"},
     "native": {"base"},
-    "decoder": {"base", "formats", "sched"},
+    "core": {"base", "formats", "sched"},
     "runner": {"base", "formats", "sched", "native"},
-    "api": {"base", "formats", "sched", "decoder", "runner", "native"},
-    "face": {"base", "decoder", "api", "native"},
+    "api": {"base", "formats", "sched", "core", "runner", "native"},
+    "face": {"base", "core", "api", "native"},
     "services": {"face", "base", "formats", "services"},
 }
 # what may use an event loop library, or the compiled binding
@@ -87,7 +87,7 @@ def ours(name: str) -> bool:
 
 def test_the_folders_are_the_layers() -> None:
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert folders == {"formats", "sched", "native", "decoder", "runner", "api", "server"}
+    assert folders == {"formats", "sched", "native", "core", "runner", "api", "server"}
     assert all(layer(m) in RULES for m in MODULES)
 
 
@@ -98,7 +98,7 @@ def test_imports_follow_the_rules(module: str) -> None:
     assert bad == [], f"{module} ({here}) may import only {sorted(RULES[here])}: {bad}"
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer(m) == "decoder"))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer(m) == "core"))
 def test_the_decode_thread_sees_only_the_schedulers_face(module: str) -> None:
     sched = sorted(n for n in imports(MODULES[module]) if n.startswith("aiollama.sched") and n not in SCHED_FACE)
     assert sched == [], f"{module} may import of sched/ only {sorted(SCHED_FACE)}: {sched}"

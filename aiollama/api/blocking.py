@@ -26,7 +26,7 @@ from aiollama.api.conversation import Conversation
 from aiollama.api.engine import Engine, ExecutorFactory
 from aiollama.api.stream import Chunk, Completion, Stream
 from aiollama.config import EngineConfig
-from aiollama.decoder.outputs import (
+from aiollama.core.outputs import (
     FinishReason,
     GenerationStats,
     Statistics,

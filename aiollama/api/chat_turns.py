@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiollama.api.client import EngineClient
-from aiollama.api.media import pictures
+from aiollama.api.images import pictures
 from aiollama.api.stream import Collector
-from aiollama.decoder.outputs import FinishReason
+from aiollama.core.outputs import FinishReason
 from aiollama.errors import ChatTemplateError, InvalidRequestError
 from aiollama.formats.chat import Rendered
 from aiollama.formats.messages import IMAGE, REPLY, Messages, normalize
@@ -164,13 +164,16 @@ def _reply_of(state: dict[str, Any] | None) -> Collector | None:
     return Collector([str(state["text"])], [int(t) for t in state["tokens"]], FinishReason(state["finish_reason"]))
 
 
+TOOL_CONSTRAINT = ("tool_choice 'required' or a named function constrains the output; give no other constraint "
+                   "(response_format, grammar, json_schema, regex, lark) with it")
+
+
 def check_turn(params: dict[str, Any], tool_choice: Any) -> None:
     """Refuse a chat turn's stream parameters before the turn is appended: a bad one must not
     leave half a turn behind."""
     SamplingParams.from_kwargs(**{k: v for k, v in params.items() if k not in STREAM_ONLY})
     if tool_choice not in (None, "auto", "none") and any(params.get(k) is not None for k in CONSTRAINTS):
-        raise InvalidRequestError("tool_choice 'required' or a named function constrains the output; "
-                                  "give no other constraint with it")
+        raise InvalidRequestError(TOOL_CONSTRAINT, param="tool_choice")
 
 
 def reader_for(core: EngineClient, turn: Rendered) -> ReplyReader:
@@ -195,8 +198,7 @@ def reply_params(turn: Rendered, params: dict[str, Any]) -> dict[str, Any]:
     schema = call_schema(turn.described, turn.tool_choice) if turn.described else None
     if turn.grammar is not None or schema is not None:
         if any(out.get(k) is not None for k in CONSTRAINTS):
-            raise InvalidRequestError("tool_choice 'required' or a named function constrains the output; "
-                                      "give no other constraint with it")
+            raise InvalidRequestError(TOOL_CONSTRAINT, param="tool_choice")
         if schema is not None:
             out["json_schema"] = schema
         else:

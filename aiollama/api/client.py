@@ -11,12 +11,12 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from aiollama.api.media import Image, ImageEncoder
+from aiollama.api.images import Image, ImageEncoder
 from aiollama.api.portal import AsyncioPortal, AsyncSink, TrioPortal, current_portal
 from aiollama.config import EngineConfig
-from aiollama.decoder.commands import Admission, Command
-from aiollama.decoder.loop import DecodeLoop
-from aiollama.decoder.outputs import Item, Statistics
+from aiollama.core.commands import Admission, Command
+from aiollama.core.loop import DecodeLoop
+from aiollama.core.outputs import Item, Statistics
 from aiollama.errors import (
     ContextFull,
     EngineClosed,
@@ -43,7 +43,7 @@ class EngineClient:
         self.config = config
         self.owner = owner
         self.admission = Admission(config.max_queued)
-        self.decoder = DecodeLoop(config, open_executor, self.admission)
+        self.decode_loop = DecodeLoop(config, open_executor, self.admission)
         self.closed = False
         self._ids = itertools.count(1)
         self._tokenizer: Tokenizer | None = None
@@ -54,14 +54,14 @@ class EngineClient:
 
     def start(self) -> None:
         """Open the executor on the decode thread; blocks until it is ready, re-raises its failure."""
-        self.decoder.start()
+        self.decode_loop.start()
         try:
-            self.decoder.wait_ready()
+            self.decode_loop.wait_ready()
         except BaseException:
             self.close()  # the decode thread has already ended; nothing stays open
             raise
-        self._tokenizer = self.decoder.tokenizer
-        self.images = ImageEncoder(self.decoder.projector)
+        self._tokenizer = self.decode_loop.tokenizer
+        self.images = ImageEncoder(self.decode_loop.projector)
         if self.config.chat_template is not None:  # a template given by hand is read now: a broken one fails the start
             try:
                 _ = self.chat_template
@@ -73,27 +73,27 @@ class EngineClient:
         """Stop the decode thread (running streams end with EngineClosed); raises EngineDead if it
         had failed."""
         self.closed = True
-        self.decoder.shutdown()
-        if self.decoder.dead is not None:
-            raise self.decoder.dead
+        self.decode_loop.shutdown()
+        if self.decode_loop.dead is not None:
+            raise self.decode_loop.dead
 
     def close_nowait(self) -> None:
         """Ask the decode thread to stop without waiting for it (from a finalizer, say)."""
         self.closed = True
-        self.decoder.shutdown(timeout=0)
+        self.decode_loop.shutdown(timeout=0)
 
     @property
     def dead(self) -> EngineDead | None:
-        return self.decoder.dead
+        return self.decode_loop.dead
 
     @property
     def usable(self) -> bool:
-        return not self.closed and self.decoder.dead is None and self.decoder.alive
+        return not self.closed and self.decode_loop.dead is None and self.decode_loop.alive
 
     def check(self) -> None:
         """Raise unless the engine can take requests."""
-        if self.decoder.dead is not None:
-            raise self.decoder.dead
+        if self.decode_loop.dead is not None:
+            raise self.decode_loop.dead
         if self.closed or self._tokenizer is None:
             raise EngineClosed("the engine is closed" if self.closed else "the engine is not started")
 
@@ -108,10 +108,10 @@ class EngineClient:
     def failure(self) -> BaseException | None:
         """None while the decode thread runs; otherwise what a caller still waiting on it gets (it
         answers every request before it ends, so this only matters if it could not)."""
-        decoder = self.decoder
-        if decoder.alive:
+        loop = self.decode_loop
+        if loop.alive:
             return None
-        return decoder.dead or EngineClosed("the engine stopped before it answered")
+        return loop.dead or EngineClosed("the engine stopped before it answered")
 
     def async_sink(self, on_item: Callable[[Item], None] | None = None) -> AsyncSink:
         """An inbox on the caller's event loop (WrongEventLoop elsewhere) that a waiting reader
@@ -120,26 +120,26 @@ class EngineClient:
 
     def send(self, command: Command) -> None:
         self.check()
-        self.decoder.send(command)
+        self.decode_loop.send(command)
 
     def new_id(self) -> int:
         return next(self._ids)
 
     def statistics(self) -> Statistics:
-        return self.decoder.statistics
+        return self.decode_loop.statistics
 
     @property
     def n_ctx(self) -> int:
-        return self.decoder.n_ctx
+        return self.decode_loop.n_ctx
 
     @property
     def fingerprint(self) -> Mapping[str, str | int]:
         """What a saved conversation must match to be loaded here."""
-        return self.decoder.fingerprint
+        return self.decode_loop.fingerprint
 
     @property
     def model_info(self) -> Mapping[str, str | int]:
-        return self.decoder.model_info
+        return self.decode_loop.model_info
 
     # tokens
 

@@ -19,17 +19,17 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 
 from aiollama._validate import lora_set, number
 from aiollama.api.chat_turns import ChatTurns, check_turn, reader_for, reply_params
 from aiollama.api.client import EngineClient
-from aiollama.api.media import Image
+from aiollama.api.images import Image
 from aiollama.api.portal import AsyncSink
-from aiollama.api.stream import Chunk, Completion, Stream, StreamBase, TokenHistory
-from aiollama.decoder.commands import (
+from aiollama.api.stream import Chunk, Completion, Stream, TokenHistory
+from aiollama.core.commands import (
     Cancel,
     Close,
     Fork,
@@ -38,7 +38,7 @@ from aiollama.decoder.commands import (
     Rewind,
     Save,
 )
-from aiollama.decoder.outputs import Delta, Item, Snapshot
+from aiollama.core.outputs import Delta, Item, Snapshot
 from aiollama.errors import (
     ConversationBusy,
     ConversationClosed,
@@ -52,23 +52,28 @@ from aiollama.sampling import SamplingParams
 
 __all__ = ["Chunk", "Completion", "Conversation", "Stream"]
 
-_C = TypeVar("_C", bound="_ConversationBase")
 
 
-class _ConversationBase:
+class Conversation:
+    """A conversation for async code (asyncio or trio). Create it with ``Engine.conversation()``.
+
+    It belongs to the engine's event loop: its methods raise ``WrongEventLoop`` anywhere else.
+    """
+
     def __init__(self, client: EngineClient, conv_id: int, *, tokens: Sequence[int] = ()) -> None:
         self._client = client
         self.id = conv_id
         self._history = TokenHistory(tokens)
         self._chat = ChatTurns()
         self._closed = False
-        self._last_stream: weakref.ref[StreamBase] | None = None
+        self._last_stream: weakref.ref[Stream] | None = None
         self._turn: Rendered | None = None  # the chat turn whose reply the next stream is
 
     def _check(self) -> None:
         self._client.check()
         if self._closed:
             raise ConversationClosed("the conversation is closed")
+        self._client.check_loop()
 
     @property
     def closed(self) -> bool:
@@ -145,7 +150,7 @@ class _ConversationBase:
             raise ConversationBusy(f"{what} waits until the last stream has ended: read it to its end "
                                    "(or await stream.aclose()) first")
 
-    def fork(self: _C) -> _C:
+    def fork(self) -> Conversation:
         """A new conversation with this one's history, sharing its KV prefix. Never blocks.
 
         Forking while a stream runs branches at what that stream has yielded to its reader so far;
@@ -153,7 +158,7 @@ class _ConversationBase:
         """
         self._check()
         known, waiting = self._history.branch()
-        child = type(self)(self._client, self._client.new_id(), tokens=known)
+        child = Conversation(self._client, self._client.new_id(), tokens=known)
         self._client.send(Fork(self.id, child.id, len(known)))
         for tokens in waiting:
             child._append(list(tokens))
@@ -181,98 +186,6 @@ class _ConversationBase:
         self._chat.rewound(keep, self._client.detokenize)
         self._turn = None
 
-    def _save_request(self, sink: AsyncSink) -> None:
-        self._check()
-        self._check_settled("save()")
-        self._client.send(Save(self.id, sink))
-
-    def _saved(self, item: Item) -> bytes:
-        if isinstance(item, Delta) and item.error is not None:
-            raise item.error
-        assert isinstance(item, Snapshot)
-        return savefile.dump(savefile.Saved(item.tokens, item.n_cached, item.state, self._chat.state(),
-                                            self._client.fingerprint, self._client.images.saved(item.images)))
-
-    def _guidance(self, params: dict[str, Any]) -> tuple[_ConversationBase | None, float]:
-        """Take ``guidance`` and ``guidance_scale`` out of a stream's parameters, checked."""
-        guide = params.pop("guidance", None)
-        scale = params.pop("guidance_scale", None)
-        if guide is None:
-            if scale is not None:
-                raise InvalidRequestError("guidance_scale needs guidance=<a conversation>")
-            return None, 1.0
-        if not isinstance(guide, _ConversationBase) or guide._client is not self._client:
-            raise InvalidRequestError(f"guidance must be a conversation of the same engine, got {guide!r}")
-        if guide is self:
-            raise InvalidRequestError("a conversation cannot guide its own stream")
-        scale = 1.0 if scale is None else number("guidance_scale", scale)
-        guide._check()
-        guide._check_settled("guiding another stream")
-        if not len(guide):
-            raise InvalidRequestError("the guidance conversation is empty: prompt it first")
-        return guide, scale
-
-    def _take(self, guide: _ConversationBase | None) -> Callable[[Item], None]:
-        """What the stream's sink does with each delivered item: the histories it extends."""
-        if guide is None:
-            return self._history.take
-        mine, theirs = self._history.take, guide._history.take
-
-        def take(item: Item) -> None:
-            mine(item)
-            theirs(item)
-        return take
-
-    def _start(self, params: dict[str, Any], sink: AsyncSink, stream: StreamBase,
-               guide: _ConversationBase | None = None, scale: float = 1.0) -> None:
-        created = time.perf_counter()
-        self._check()
-        adapters = None if "lora" not in params else lora_set(params.pop("lora"), self._client.config.lora)
-        turn = self._turn
-        if turn is not None:
-            params = reply_params(turn, params)
-        sampling = SamplingParams.from_kwargs(**params)
-        self._check_idle()
-        if guide is not None:
-            if sampling.context_shift:
-                raise InvalidRequestError("a guided stream cannot shift its context: the two histories stay in step")
-        inside = self._client.generation_start(self._history.tokens[-4:], guide._history.tokens[-1:] if guide else ())
-        matcher = self._client.constraint(sampling, inside_thinking=inside)
-        admission = self._client.admission
-        if not admission.enter():
-            raise Overloaded(f"{admission.limit} generations are already waiting (max_queued); retry later")
-        start = len(self)
-        self._history.generating()  # before the command: its answer may come at once (SyncEngine)
-        if guide is not None:
-            guide._history.generating()
-        try:
-            self._client.send(Generate(self.id, sampling, sink, matcher, None if guide is None else guide.id,
-                                     scale, created, adapters))
-        except BaseException:
-            admission.leave()
-            self._history.not_generating()
-            if guide is not None:
-                guide._history.not_generating()
-            raise
-        if guide is not None:
-            guide._last_stream = weakref.ref(stream)
-        self._chat.streaming(start, stream._result)
-        self._turn = None
-        if turn is not None:
-            stream._result.reader = reader_for(self._client, turn)
-        stream._result.in_thinking = inside
-        self._last_stream = weakref.ref(stream)
-
-    def _close_command(self, ack: AsyncSink) -> bool:
-        """Mark closed and ask the decode thread to free everything; False if nothing to wait for."""
-        if self._closed:
-            return False
-        self._closed = True
-        if not self._client.usable:
-            return False
-        self._client.send(Close(self.id, ack))
-        return True
-
     def close_nowait(self) -> None:
         """Close without waiting: the decode thread frees the seq id and cells at its next step."""
         if not self._closed:
@@ -285,22 +198,11 @@ class _ConversationBase:
             self._client.send(Cancel(self.id))
 
     def __del__(self) -> None:
-        # A forgotten conversation frees its cells: only a command is queued (see StreamBase).
+        # A forgotten conversation frees its cells: only a command is queued (see Stream).
         try:
             self.close_nowait()
         except Exception:  # noqa: BLE001 - the engine may already be gone
             pass
-
-
-class Conversation(_ConversationBase):
-    """A conversation for async code (asyncio or trio). Create it with ``Engine.conversation()``.
-
-    It belongs to the engine's event loop: its methods raise ``WrongEventLoop`` anywhere else.
-    """
-
-    def _check(self) -> None:
-        super()._check()
-        self._client.check_loop()
 
     def stream(self, **params: Any) -> Stream:
         """Start generating; returns a :class:`Stream` to iterate or await.
@@ -325,10 +227,10 @@ class Conversation(_ConversationBase):
         The stream itself raises ContextFull when the history fills the context (unless it shifts
         the context), and GrammarError for a grammar that does not parse.
         """
-        guide, scale = self._guidance(params)
-        sink = self._client.async_sink(self._take(guide))
+        guide, scale = guidance(self, params)
+        sink = self._client.async_sink(extends(self, guide))
         stream = Stream(self._history, self._cancel, sink)
-        self._start(params, sink, stream, guide, scale)
+        start(self, params, sink, stream, guide, scale)
         return stream
 
     def chat(self, messages: Messages, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = "auto",
@@ -378,16 +280,18 @@ class Conversation(_ConversationBase):
         written.
         """
         sink = self._client.async_sink()
-        self._save_request(sink)
+        self._check()
+        self._check_settled("save()")
+        self._client.send(Save(self.id, sink))
         with anyio.CancelScope(shield=True):
-            data = self._saved(await sink.get())
+            data = saved(self, await sink.get())
         await anyio.to_thread.run_sync(savefile.write_file, path, data)
 
     async def aclose(self) -> None:
         """End any generation and free the conversation; its cached prefix stays in the engine's
         prefix cache for any later conversation that starts with it. Idempotent."""
         sink = self._client.async_sink()
-        if self._close_command(sink):
+        if close_command(self, sink):
             with anyio.CancelScope(shield=True):
                 await sink.get()
 
@@ -397,3 +301,97 @@ class Conversation(_ConversationBase):
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.aclose()
+
+
+def saved(conv: Conversation, item: Item) -> bytes:
+    """The file of a conversation, from the decode thread's snapshot of it."""
+    if isinstance(item, Delta) and item.error is not None:
+        raise item.error
+    assert isinstance(item, Snapshot)
+    return savefile.dump(savefile.Saved(item.tokens, item.n_cached, item.state, conv._chat.state(),
+                                        conv._client.fingerprint, conv._client.images.saved(item.images)))
+
+
+def guidance(conv: Conversation, params: dict[str, Any]) -> tuple[Conversation | None, float]:
+    """Take ``guidance`` and ``guidance_scale`` out of a stream's parameters, checked."""
+    guide = params.pop("guidance", None)
+    scale = params.pop("guidance_scale", None)
+    if guide is None:
+        if scale is not None:
+            raise InvalidRequestError("guidance_scale needs guidance=<a conversation>")
+        return None, 1.0
+    if not isinstance(guide, Conversation) or guide._client is not conv._client:
+        raise InvalidRequestError(f"guidance must be a conversation of the same engine, got {guide!r}")
+    if guide is conv:
+        raise InvalidRequestError("a conversation cannot guide its own stream")
+    scale = 1.0 if scale is None else number("guidance_scale", scale)
+    guide._check()
+    guide._check_settled("guiding another stream")
+    if not len(guide):
+        raise InvalidRequestError("the guidance conversation is empty: prompt it first")
+    return guide, scale
+
+
+def extends(conv: Conversation, guide: Conversation | None) -> Callable[[Item], None]:
+    """What a stream's sink does with each delivered item: the histories it extends."""
+    if guide is None:
+        return conv._history.take
+    mine, theirs = conv._history.take, guide._history.take
+
+    def take(item: Item) -> None:
+        mine(item)
+        theirs(item)
+    return take
+
+
+def start(conv: Conversation, params: dict[str, Any], sink: AsyncSink, stream: Stream,
+          guide: Conversation | None = None, scale: float = 1.0) -> None:
+    """Ask the decode thread for a generation of ``conv`` into ``stream``, its parameters checked."""
+    created = time.perf_counter()
+    conv._check()
+    client, history = conv._client, conv._history
+    adapters = None if "lora" not in params else lora_set(params.pop("lora"), client.config.lora)
+    turn = conv._turn
+    if turn is not None:
+        params = reply_params(turn, params)
+    sampling = SamplingParams.from_kwargs(**params)
+    conv._check_idle()
+    if guide is not None and sampling.context_shift:
+        raise InvalidRequestError("a guided stream cannot shift its context: the two histories stay in step")
+    inside = client.generation_start(history.tokens[-4:], guide._history.tokens[-1:] if guide else ())
+    matcher = client.constraint(sampling, inside_thinking=inside)
+    admission = client.admission
+    if not admission.enter():
+        raise Overloaded(f"{admission.limit} generations are already waiting (max_queued); retry later")
+    begin = len(conv)
+    history.generating()  # before the command: its answer may come at once (SyncEngine)
+    if guide is not None:
+        guide._history.generating()
+    try:
+        client.send(Generate(conv.id, sampling, sink, matcher, None if guide is None else guide.id,
+                             scale, created, adapters))
+    except BaseException:
+        admission.leave()
+        history.not_generating()
+        if guide is not None:
+            guide._history.not_generating()
+        raise
+    if guide is not None:
+        guide._last_stream = weakref.ref(stream)
+    conv._chat.streaming(begin, stream._result)
+    conv._turn = None
+    if turn is not None:
+        stream._result.reader = reader_for(client, turn)
+    stream._result.in_thinking = inside
+    conv._last_stream = weakref.ref(stream)
+
+
+def close_command(conv: Conversation, ack: AsyncSink) -> bool:
+    """Mark ``conv`` closed and ask the decode thread to free everything; False if nothing to wait for."""
+    if conv._closed:
+        return False
+    conv._closed = True
+    if not conv._client.usable:
+        return False
+    conv._client.send(Close(conv.id, ack))
+    return True

@@ -20,11 +20,11 @@ from aiollama._validate import lora_set
 from aiollama.api.chat_turns import ChatTurns
 from aiollama.api.client import EngineClient
 from aiollama.api.conversation import Completion, Conversation
-from aiollama.api.media import Image, pictures
+from aiollama.api.images import Image, pictures
 from aiollama.api.portal import AsyncSink, current_portal
 from aiollama.config import EngineConfig
-from aiollama.decoder.commands import ClearCache, Embed, Load, NewConversation
-from aiollama.decoder.outputs import Delta, Item, Statistics, Vectors
+from aiollama.core.commands import ClearCache, Embed, Load, NewConversation
+from aiollama.core.outputs import Delta, Item, Statistics, Vectors
 from aiollama.errors import (
     ConversationFileError,
     EngineClosed,
@@ -49,13 +49,21 @@ def _native(config: EngineConfig) -> Executor:
     return NativeExecutor(config, config.model_path)
 
 
-class _EngineBase:
-    """What the async and the blocking engines share.
+class Engine:
+    """Serves many concurrent conversations from one llama.cpp context, for asyncio and trio.
 
-    ``model_path`` None serves the default model (fetched on first use). ``options`` are the fields
-    of :class:`~aiollama.config.EngineConfig`: ``n_ctx``, ``n_seq_max``, ``n_batch``,
-    ``step_tokens``, ``n_threads``, ``n_gpu_layers``, ``max_queued``; an unknown or out-of-range one
-    raises ``InvalidRequestError`` at once. ``executor`` replaces llama.cpp with another
+    ``async with Engine(path, ...) as engine`` loads the model (``path`` None means the default
+    model, fetched on first use) and starts the decode thread; leaving the block ends running
+    generations (their streams raise ``EngineClosed``) and frees everything, and raises
+    ``EngineDead`` if the decode thread had failed. The engine belongs to the event loop that
+    started it (elsewhere: ``WrongEventLoop``; plain threads use ``SyncEngine``, which drives one).
+
+    ``options`` are the fields of :class:`~aiollama.config.EngineConfig`: ``n_ctx``, ``n_seq_max``,
+    ``n_batch``, ``step_tokens``, ``n_threads``, ``n_gpu_layers``, ``max_queued``...; an unknown or
+    out-of-range one raises ``InvalidRequestError`` at once. ``step_tokens`` is the per-step token
+    budget: decode rows of running streams go first, prompt chunks share the rest, so a long prompt
+    never stalls streams. ``max_queued`` bounds the generations waiting for a seq id; beyond it
+    ``stream()`` raises ``Overloaded``. ``executor`` replaces llama.cpp with another
     :class:`~aiollama.sched.step.Executor` (a fake one in tests), built on the decode thread from the
     config.
     """
@@ -76,14 +84,7 @@ class _EngineBase:
     def _start(self, owner: Any = None) -> None:
         if self._engine_client is not None:
             raise RuntimeError("the engine was already started")
-        config, factory = self._config, self._executor
-        if factory is None:
-            factory = _native
-            if config.model_path is None:
-                config = self._config = dataclasses.replace(config, model_path=default_model())
-        client = EngineClient(config, lambda: factory(config), owner)
-        client.start()
-        self._engine_client = client
+        self._config, self._engine_client = open_client(self._config, self._executor, owner)
 
     @property
     def config(self) -> EngineConfig:
@@ -190,77 +191,6 @@ class _EngineBase:
         return infill_tokens(tokenizer, prefix, suffix, extra, tail, n_batch=config.n_batch,
                              n_predict=n_predict, n_ctx=self.n_ctx)
 
-    def _new(self, cls: type[Any], prompt: str | Sequence[int] | None, salt: str | None = None,
-             lora: Any = None) -> Any:
-        client = self._client
-        client.check()
-        if client.owner is not None:
-            client.check_loop()
-        if salt is not None and not isinstance(salt, str):
-            raise InvalidRequestError(f"cache_salt must be a str, got {salt!r}")
-        adapters = lora_set(lora, client.config.lora)
-        conv = cls(client, client.new_id())
-        client.send(NewConversation(conv.id, salt=salt, lora=adapters))
-        if prompt is not None:
-            conv.prompt(prompt)
-        return conv
-
-    def _loading(self, cls: type[Any], data: bytes, sink: AsyncSink) -> Any:
-        """Check a saved conversation and ask the decode thread to bring it back into ``sink``."""
-        client = self._client
-        client.check()
-        saved = savefile.load(data, client.fingerprint)
-        savefile.check_tokens(saved.tokens, client.tokenizer.n_vocab, {n: r for n, _, r in saved.images})
-        tokens, images = client.images.loaded(saved.tokens, saved.images)
-        try:
-            chat = ChatTurns.from_state(saved.chat)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConversationFileError(f"the saved conversation's chat is malformed: {exc!r}") from None
-        conv = cls(client, client.new_id(), tokens=tokens)
-        conv._chat = chat
-        client.send(Load(conv.id, tuple(tokens), saved.n_cached, saved.state, sink, images))
-        return conv
-
-    def _embed_request(self, texts: str | Sequence[str] | Sequence[Sequence[int]], normalize: bool,
-                       sink: AsyncSink) -> None:
-        client = self._client
-        if isinstance(texts, str):
-            texts = [texts]
-        if not texts:
-            raise InvalidRequestError("embed() needs at least one text")
-        token_lists = tuple(tuple(client.encode(t, first=True, special=False)) for t in texts)
-        client.send(Embed(token_lists, normalize, sink))
-
-    @staticmethod
-    def _vectors(item: Item) -> list[Any]:
-        if isinstance(item, Delta) and item.error is not None:
-            raise item.error
-        assert isinstance(item, Vectors)
-        return item.vectors
-
-    def _close(self) -> None:
-        client = self._engine_client
-        if client is None:
-            return
-        if not client.closed:
-            client.close()
-        elif client.dead is not None:
-            raise client.dead
-
-
-class Engine(_EngineBase):
-    """Serves many concurrent conversations from one llama.cpp context, for asyncio and trio.
-
-    ``async with Engine(path, ...) as engine`` loads the model (``path`` None means the default
-    model, fetched on first use) and starts the decode thread; leaving the block ends running
-    generations (their streams raise ``EngineClosed``) and frees everything, and raises
-    ``EngineDead`` if the decode thread had failed. The engine belongs to the event loop that
-    started it (elsewhere: ``WrongEventLoop``). ``step_tokens`` is the per-step token budget: decode
-    rows of running streams go first, prompt chunks share the rest, so a long prompt never stalls
-    streams. ``max_queued`` bounds the generations waiting for a seq id; beyond it ``stream()``
-    raises ``Overloaded``.
-    """
-
     async def __aenter__(self) -> Engine:
         await self.start()
         return self
@@ -288,7 +218,7 @@ class Engine(_EngineBase):
         Raises ``EngineDead`` if the decode thread had failed (every stream got it too).
         """
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._close)
+            await anyio.to_thread.run_sync(close_client, self._engine_client)
 
     def close_nowait(self) -> None:
         """Ask the engine to stop without waiting (running streams end with ``EngineClosed``)."""
@@ -303,8 +233,7 @@ class Engine(_EngineBase):
         ``lora`` maps adapters loaded with the engine (its ``lora`` option) to their scales: every
         decode of this conversation and its forks applies them. Conversations of different adapter
         sets decode in separate steps, taking turns, and share no cells."""
-        conv: Conversation = self._new(Conversation, prompt, cache_salt, lora)
-        return conv
+        return new_conversation(self._client, prompt, cache_salt, lora)
 
     async def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *,
                     normalize: bool = True) -> list[Any]:
@@ -317,10 +246,10 @@ class Engine(_EngineBase):
         InvalidRequestError for an empty one.
         """
         sink = self._client.async_sink()
-        self._embed_request(texts, normalize, sink)
+        embed_request(self._client, texts, normalize, sink)
         with anyio.CancelScope(shield=True):
             item = await sink.get()
-        return self._vectors(item)
+        return vectors(item)
 
     async def encode_images(self, images: Sequence[Image]) -> None:
         """Encode pictures on a worker thread, so that the prompts or chats that send them next do
@@ -349,7 +278,7 @@ class Engine(_EngineBase):
         """
         sink = self._client.async_sink()
         data = await anyio.to_thread.run_sync(_read_file, path)
-        conv: Conversation = self._loading(Conversation, data, sink)
+        conv = load_request(self._client, data, sink)
         with anyio.CancelScope(shield=True):
             await sink.get()
         return conv
@@ -357,22 +286,7 @@ class Engine(_EngineBase):
     async def generate_parallel(self, prompts: Sequence[str | Sequence[int]], **params: Any) -> list[Completion]:
         """One completion per prompt, in order, generated in the same batches. With a ``seed``,
         prompt ``i`` is sampled with ``seed + i``."""
-        convs = [self.conversation(p) for p in prompts]
-        results: list[Completion | None] = [None] * len(convs)
-        try:
-            streams = [c.stream(**_seeded(params, i)) for i, c in enumerate(convs)]
-
-            async def collect(i: int) -> None:
-                results[i] = await streams[i]
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(streams)):
-                    tg.start_soon(collect, i)
-        finally:
-            for conv in convs:
-                await conv.aclose()
-        return [r for r in results if r is not None]
-
+        return await generate_parallel(self, prompts, params)
 
 def _read_file(path: str | os.PathLike[str]) -> bytes:
     with open(path, "rb") as f:
@@ -383,3 +297,92 @@ def _seeded(params: dict[str, Any], i: int) -> dict[str, Any]:
     if params.get("seed") is None:
         return params
     return {**params, "seed": seed_for(params["seed"], i)}
+
+
+def new_conversation(client: EngineClient, prompt: str | Sequence[int] | None, salt: str | None = None,
+                     lora: Any = None) -> Conversation:
+    client.check()
+    if client.owner is not None:
+        client.check_loop()
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidRequestError(f"cache_salt must be a str, got {salt!r}")
+    adapters = lora_set(lora, client.config.lora)
+    conv = Conversation(client, client.new_id())
+    client.send(NewConversation(conv.id, salt=salt, lora=adapters))
+    if prompt is not None:
+        conv.prompt(prompt)
+    return conv
+
+
+def load_request(client: EngineClient, data: bytes, sink: AsyncSink) -> Conversation:
+    """Check a saved conversation and ask the decode thread to bring it back into ``sink``."""
+    client.check()
+    saved = savefile.load(data, client.fingerprint)
+    savefile.check_tokens(saved.tokens, client.tokenizer.n_vocab, {n: r for n, _, r in saved.images})
+    tokens, images = client.images.loaded(saved.tokens, saved.images)
+    try:
+        chat = ChatTurns.from_state(saved.chat)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConversationFileError(f"the saved conversation's chat is malformed: {exc!r}") from None
+    conv = Conversation(client, client.new_id(), tokens=tokens)
+    conv._chat = chat
+    client.send(Load(conv.id, tuple(tokens), saved.n_cached, saved.state, sink, images))
+    return conv
+
+
+def embed_request(client: EngineClient, texts: str | Sequence[str] | Sequence[Sequence[int]], normalize: bool,
+                  sink: AsyncSink) -> None:
+    if isinstance(texts, str):
+        texts = [texts]
+    if not texts:
+        raise InvalidRequestError("embed() needs at least one text")
+    token_lists = tuple(tuple(client.encode(t, first=True, special=False)) for t in texts)
+    client.send(Embed(token_lists, normalize, sink))
+
+
+def vectors(item: Item) -> list[Any]:
+    if isinstance(item, Delta) and item.error is not None:
+        raise item.error
+    assert isinstance(item, Vectors)
+    return item.vectors
+
+
+def open_client(config: EngineConfig, factory: ExecutorFactory | None, owner: Any) -> tuple[EngineConfig, EngineClient]:
+    """Start an engine's decode thread: the config it runs (the default model's path filled in) and
+    its client."""
+    if factory is None:
+        factory = _native
+        if config.model_path is None:
+            config = dataclasses.replace(config, model_path=default_model())
+    run, executor = config, factory
+    client = EngineClient(run, lambda: executor(run), owner)
+    client.start()
+    return config, client
+
+
+def close_client(client: EngineClient | None) -> None:
+    if client is None:
+        return
+    if not client.closed:
+        client.close()
+    elif client.dead is not None:
+        raise client.dead
+
+
+async def generate_parallel(engine: Engine, prompts: Sequence[str | Sequence[int]],
+                            params: dict[str, Any]) -> list[Completion]:
+    convs = [engine.conversation(p) for p in prompts]
+    results: list[Completion | None] = [None] * len(convs)
+    try:
+        streams = [c.stream(**_seeded(params, i)) for i, c in enumerate(convs)]
+
+        async def collect(i: int) -> None:
+            results[i] = await streams[i]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(streams)):
+                tg.start_soon(collect, i)
+    finally:
+        for conv in convs:
+            await conv.aclose()
+    return [r for r in results if r is not None]

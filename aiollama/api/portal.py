@@ -30,8 +30,8 @@ from typing import Any
 import anyio
 import sniffio
 
-from aiollama.decoder.commands import Portal
-from aiollama.decoder.outputs import Delta, Item
+from aiollama.core.commands import Portal
+from aiollama.core.outputs import Delta, Item
 from aiollama.errors import WrongEventLoop
 
 # A trio run leaves its token behind when it ends; forget the portals of old runs now and then

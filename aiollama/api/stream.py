@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 
 from aiollama.api.portal import AsyncSink
-from aiollama.decoder.outputs import (
+from aiollama.core.outputs import (
     Delta,
     FinishReason,
     GenerationStats,
@@ -168,7 +168,7 @@ def _moved(end: int, keep: int, n: int) -> int:
 
 @dataclass
 class Collector:
-    """Accumulates a stream's deltas; shared by the async and the blocking streams."""
+    """Accumulates a stream's deltas into what it has read and its completion."""
 
     parts: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -221,14 +221,17 @@ class Collector:
                           list(self.logprobs), calls, thought, content, self.stop_sequence, list(self.prompt_logprobs))
 
 
-class StreamBase:
-    """What both streams share: the collected result, cancellation, and the history to update."""
+class Stream:
+    """An async stream of :class:`Chunk`. Iterate it with ``async for``, or await it for a
+    :class:`Completion`. Leaving the loop early, cancelling the consuming task or a timeout ends the
+    generation within one decode step."""
 
-    def __init__(self, history: TokenHistory, cancel: Callable[[], None]) -> None:
+    def __init__(self, history: TokenHistory, cancel: Callable[[], None], sink: AsyncSink) -> None:
         self._history = history
         self._send_cancel = cancel
         self._result = Collector()
         self._cancelled = False
+        self._sink = sink
 
     def cancel(self) -> None:
         """Ask the engine to end this generation; the stream then finishes with CANCELLED."""
@@ -297,16 +300,6 @@ class StreamBase:
             self._abandon()
         except Exception:  # noqa: BLE001 - the engine may already be gone
             pass
-
-
-class Stream(StreamBase):
-    """An async stream of :class:`Chunk`. Iterate it with ``async for``, or await it for a
-    :class:`Completion`. Leaving the loop early, cancelling the consuming task or a timeout ends the
-    generation within one decode step."""
-
-    def __init__(self, history: TokenHistory, cancel: Callable[[], None], sink: AsyncSink) -> None:
-        super().__init__(history, cancel)
-        self._sink = sink
 
     def __aiter__(self) -> Stream:
         return self

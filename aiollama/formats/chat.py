@@ -42,11 +42,10 @@ from aiollama.formats.messages import (
     tools_as_text,
 )
 from aiollama.formats.tokens import SpecialToken, Tokenizer
-from aiollama.formats.toolcalls import tool_names
+from aiollama.formats.toolcalls import read_tool_choice
 
 _ASCII_SPACE = " \t\n\v\f\r"  # what C's isspace() strips
 REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")  # llama-server's reasoning_format
-TOOL_CHOICES = ("auto", "none", "required")
 
 
 class ReplyParser(Protocol):
@@ -300,7 +299,7 @@ class ChatTemplate:
                 raise ChatTemplateError("the model's chat template reads no reasoning_effort, so it cannot be set")
             else:
                 extra["reasoning_effort"] = reasoning_effort
-        names, choice = _tool_choice(tools, tool_choice)
+        names, choice = read_tool_choice(tools, tool_choice)
         described: tuple[dict[str, Any], ...] = ()
         if tools and not self.supports_tools:  # llama.cpp would leave them out: describe them instead
             native = bool(self.layer.caps.get("supports_tool_calls"))  # its calls have a syntax llama.cpp reads
@@ -340,24 +339,6 @@ class ChatTemplate:
 
 
 _RESERVED_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
-
-
-def _tool_choice(tools: Sequence[Mapping[str, Any]] | None, choice: Any) -> tuple[list[str], str]:
-    """The names of the tools and what ``tool_choice`` asks: "auto", "none", "required" or "named"
-    (the one name then first). InvalidRequestError for a choice that means nothing here."""
-    names = tool_names(tools) if tools else []
-    if choice is None or (isinstance(choice, str) and choice in TOOL_CHOICES):
-        if choice == "required" and not names:
-            raise InvalidRequestError("tool_choice 'required' needs tools")
-        return names, choice or "auto"
-    function = choice.get("function") if isinstance(choice, Mapping) else None
-    if isinstance(function, Mapping) and choice.get("type", "function") == "function":
-        name = function.get("name")
-        if name not in names:
-            raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools")
-        return [name, *(n for n in names if n != name)], "named"
-    raise InvalidRequestError(f"tool_choice must be 'auto', 'none', 'required' or "
-                              f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r:.80}")
 
 
 def special_texts(tokenizer: Tokenizer) -> list[str]:

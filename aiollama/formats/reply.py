@@ -1,8 +1,9 @@
 """A chat reply read as it streams: its reasoning, its content and its tool calls.
 
 The reading is llama.cpp's: the parser of the model's format (:class:`aiollama.formats.chat.
-ReplyParser`, from the chat turn's rendering) reads the whole text so far at each chunk, as
-llama-server does, and :class:`ReplyReader` turns what changed into deltas that concatenate to the
+ReplyParser`, from the chat turn's rendering) reads the text so far at each chunk, as llama-server
+does, less the middles of its long runs of reasoning or content (:mod:`aiollama.formats.splice`,
+so that a long reply costs linear time), and :class:`ReplyReader` turns what changed into deltas that concatenate to the
 final message: text is sent once the parser has settled it, and a tool call's name and id go out
 whole, before its arguments stream. No marker text reaches the content.
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiollama.formats.chat import ReplyParser
+from aiollama.formats.splice import Spliced
 from aiollama.formats.toolcalls import ToolCall, json_calls, might_be_call
 
 
@@ -58,9 +60,13 @@ class ReplyReader:
     """Reads one reply. ``described``: the tools a template without a place for them was told of
     (their calls are JSON in the content)."""
 
-    def __init__(self, parser: ReplyParser, *, described: Sequence[Mapping[str, Any]] = ()) -> None:
+    def __init__(self, parser: ReplyParser, *, described: Sequence[Mapping[str, Any]] = (),
+                 splice: bool = True) -> None:
         self.parser = parser
         self.text = ""
+        # splice: the parser reads the reply less the middles of its long runs (linear time); else
+        # the whole text at every chunk, as llama-server does (quadratic; for comparisons)
+        self._spliced = Spliced(lambda doc: parser.parse(doc, partial=True)) if splice else None
         self._names = {t["function"]["name"]: t["function"].get("parameters") or {} for t in described}
         self._parsed: dict[str, Any] = {"content": "", "reasoning_content": "", "tool_calls": []}
         self._sent = {"reasoning_content": "", "content": ""}
@@ -71,7 +77,10 @@ class ReplyReader:
         """The deltas for ``text`` added to the reply."""
         self.text += text
         try:
-            parsed = self.parser.parse(self.text, partial=True)
+            if self._spliced is not None:
+                parsed = self._spliced.feed(text)
+            else:
+                parsed = self.parser.parse(self.text, partial=True)
         except ValueError:
             return []  # the parser cannot read the text yet: wait for more
         self._parsed = parsed

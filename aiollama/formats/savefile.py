@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from aiollama.errors import ConversationFileError, ModelMismatch
-from aiollama.formats.media import image_row
+from aiollama.formats.images import image_row
 
 MAGIC = b"AIOLLAMA-CONV\n"
 VERSION = 2  # 1: no pictures (still written for a history without them, and read)

@@ -99,22 +99,37 @@ def might_be_call(text: str) -> bool:
     return not stripped or any(stripped.startswith(m) or m.startswith(stripped) for m in ("{", "[", "```"))
 
 
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+def read_tool_choice(tools: Sequence[Mapping[str, Any]] | None, choice: Any) -> tuple[list[str], str]:
+    """The names of the tools and what ``tool_choice`` asks: "auto", "none", "required" or "named"
+    (the one name then first). InvalidRequestError for a choice that means nothing here: the one
+    reading of ``tool_choice``, for the chat template and the JSON schema of a call alike."""
+    names = tool_names(tools) if tools else []
+    if choice is None or (isinstance(choice, str) and choice in TOOL_CHOICES):
+        if choice == "required" and not names:
+            raise InvalidRequestError("tool_choice 'required' needs tools", param="tool_choice")
+        return names, choice or "auto"
+    function = choice.get("function") if isinstance(choice, Mapping) else None
+    if isinstance(function, Mapping) and choice.get("type", "function") == "function":
+        name = function.get("name")
+        if name not in names:
+            raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return [name, *(n for n in names if n != name)], "named"
+    raise InvalidRequestError(f"tool_choice must be 'auto', 'none', 'required' or "
+                              f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r:.80}",
+                              param="tool_choice")
+
+
 def call_schema(tools: Sequence[Mapping[str, Any]], choice: Any) -> dict[str, Any] | None:
     """The JSON schema a ``tool_choice`` of "required" or a named function constrains a JSON call
     to (None for "auto" and "none")."""
-    if choice in (None, "auto", "none"):
+    names, kind = read_tool_choice(tools, choice)
+    if kind in ("auto", "none"):
         return None
     by_name = {tool["function"]["name"]: tool["function"] for tool in tools}
-    if choice == "required":
-        wanted = list(by_name)
-    elif isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
-        name = choice["function"].get("name")
-        if name not in by_name:
-            raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools")
-        wanted = [name]
-    else:
-        raise InvalidRequestError(f"tool_choice must be 'auto', 'none', 'required' or "
-                                  f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
+    wanted = names if kind == "required" else names[:1]
     options = [{"type": "object", "properties": {
         "name": {"const": name},
         "arguments": by_name[name].get("parameters") or {"type": "object"}},

@@ -12,7 +12,7 @@ from aiollama.native.handle import open_handles
 from aiollama.native.lora import LoraAdapter
 from aiollama.native.model import Model, Vocab
 from aiollama.native.projector import Projector
-from aiollama.native.sampler import SamplerChain, sample_rows
+from aiollama.native.sampler_chain import SamplerChain, sample_rows
 from aiollama.native.threads import available_cpus
 
 __all__ = ["Batch", "Context", "DecodeStatus", "LoraAdapter", "Model", "Projector", "SamplerChain", "Vocab",

@@ -41,7 +41,7 @@ from aiollama.runner.drafter import Drafter, with_drafts
 from aiollama.runner.embedder import Embedder, is_embedding_model
 from aiollama.runner.images import ImageRows, images_for
 from aiollama.runner.ordered import OrderedCells
-from aiollama.runner.sampler import Sampling
+from aiollama.runner.token_choice import Sampling
 from aiollama.runner.tokenizer import VocabTokenizer
 from aiollama.sampling import SamplingParams
 from aiollama.sched.step import (
@@ -250,8 +250,8 @@ class NativeExecutor:
         if self.sampling.backend:
             self.sampling.attach(slices)
         called = False
-        if plan.media and self._images is not None:  # a prompt's image rows go first, in decodes of their own
-            status, slices, called = self._images.run(slices, plan.media, on_decode)
+        if plan.images and self._images is not None:  # a prompt's image rows go first, in decodes of their own
+            status, slices, called = self._images.run(slices, plan.images, on_decode)
             if status is not DecodeStatus.OK:
                 return failed_step(self.ctx, plan, status, 0.0, applied)
         batch = self.batch

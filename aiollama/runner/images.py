@@ -1,7 +1,7 @@
 """Steps that hold images: the rows of a picture are embeddings, not tokens, and llama.cpp decodes a
 batch of one kind only.
 
-A slice whose tokens hold placeholders (see :mod:`aiollama.formats.media`) is cut into runs of
+A slice whose tokens hold placeholders (see :mod:`aiollama.formats.images`) is cut into runs of
 text and runs of image rows. Its last text run stays in the step's last decode, beside every other
 slice's rows, where the logits are read; the runs before it are decoded first, in phases: run k
 from the end of every slice in the same phase, text in one decode and image rows in another (the
@@ -20,7 +20,7 @@ import numpy as np
 
 from aiollama.config import EngineConfig
 from aiollama.errors import DecodeError, UnsupportedModel
-from aiollama.formats.media import has_images, image_row, runs
+from aiollama.formats.images import has_images, image_row, runs
 from aiollama.native import Batch, Context, DecodeStatus, Model, Projector
 from aiollama.sched.step import Slice
 
@@ -52,7 +52,7 @@ class ImageRows:
         self.text.close()
         self.rows.close()
 
-    def run(self, slices: Sequence[Slice], media: Mapping[int, Any],
+    def run(self, slices: Sequence[Slice], images: Mapping[int, Any],
             before: Callable[[], None] | None) -> tuple[DecodeStatus, list[Slice], bool]:
         """Decode every run but the last text run of each slice. Returns the status of the last
         decode, the slices left for the step's last decode (the last text runs, and the slices
@@ -81,7 +81,7 @@ class ImageRows:
                     continue
                 a, b, image = cut[j]
                 if image:
-                    pictures.append((gather(media, s.tokens[a:b]), s.pos + a, s.seq_id))
+                    pictures.append((gather(images, s.tokens[a:b]), s.pos + a, s.seq_id))
                 else:
                     self.text.add_tokens(s.tokens[a:b], s.pos + a, s.seq_id)
             status = self._decode(self.text) if len(self.text) else DecodeStatus.OK
@@ -107,7 +107,7 @@ class ImageRows:
             self.ctx.set_causal(True)
 
 
-def gather(media: Mapping[int, Any], tokens: Sequence[int]) -> np.ndarray:
+def gather(images: Mapping[int, Any], tokens: Sequence[int]) -> np.ndarray:
     """The embedding rows the placeholders ``tokens`` stand for, in order."""
     parts = []
     i = 0
@@ -116,7 +116,7 @@ def gather(media: Mapping[int, Any], tokens: Sequence[int]) -> np.ndarray:
         j = i + 1
         while j < len(tokens) and image_row(tokens[j]) == (image, row + j - i):
             j += 1
-        rows = media.get(image)
+        rows = images.get(image)
         if rows is None or row + j - i > len(rows):
             raise DecodeError(f"no embedding rows for image {image} rows {row}..{row + j - i - 1}")
         parts.append(rows[row:row + j - i])

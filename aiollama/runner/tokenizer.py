@@ -15,7 +15,7 @@ from typing import Any
 
 from aiollama.errors import ClosedError, EngineClosed
 from aiollama.formats import constraints
-from aiollama.formats.media import has_images, text_only
+from aiollama.formats.images import has_images, text_only
 from aiollama.formats.tokens import SpecialToken
 from aiollama.native import Vocab
 from aiollama.native.binding import lib

@@ -1,5 +1,5 @@
 """The embedding rows of the pictures in the conversations' histories, by image number (see
-:mod:`aiollama.formats.media`).
+:mod:`aiollama.formats.images`).
 
 A conversation holds the images its prompts brought, and a fork its parent's, until it is closed:
 whatever evaluates its history again (a preemption that dropped its cells, a rewind, a failed step)
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from aiollama.formats.media import image_row
+from aiollama.formats.images import image_row
 
 
 class ImageStore:

@@ -144,9 +144,9 @@ class Plan:
     admitted: tuple[int, ...] = ()
     shifted: tuple[tuple[int, int, int], ...] = ()
     lora: tuple[tuple[str, float], ...] = ()  # the LoRA adapters (name, scale) every slice decodes with
-    # image number -> its embedding rows, for the placeholders in the slices (aiollama.formats.media);
+    # image number -> its embedding rows, for the placeholders in the slices (aiollama.formats.images);
     # empty when no image is in the engine
-    media: Mapping[int, Any] = field(default_factory=dict, repr=False, compare=False)
+    images: Mapping[int, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_tokens(self) -> int:

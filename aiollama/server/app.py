@@ -30,10 +30,10 @@ from aiollama.server.cors import Cors, CorsMiddleware
 from aiollama.server.fetch import Fetcher
 from aiollama.server.generate import chat_completions, completions
 from aiollama.server.guard import Guard, Limits, load_keys
-from aiollama.server.requests import BadRequest
+from aiollama.server.openai_request import BadRequest
+from aiollama.server.prompt_tools import apply_template, detokenize, tokenize
 from aiollama.server.state import State, serving_engine
 from aiollama.server.store import SWEEP_SECONDS, ResponseStore, Sizing
-from aiollama.server.utility import apply_template, detokenize, tokenize
 
 # llama-server's routes that mean nothing here, answered as its own disabled endpoints are (501,
 # not_supported_error) with the reason: (methods, paths, reason)

@@ -1,5 +1,5 @@
 """The chat completions body: messages, tools, the template's switches, and an assistant message
-to continue, validated into a :class:`~aiollama.server.requests.Request` or an OpenAI-style 400."""
+to continue, validated into a :class:`~aiollama.server.openai_request.Request` or an OpenAI-style 400."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from aiollama.errors import InvalidRequestError
 from aiollama.formats.toolcalls import tool_names
-from aiollama.server.requests import (
+from aiollama.server.openai_request import (
     CHAT_FIELDS,
     MAX_TOOLS,
     REASONING_EFFORTS,

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from aiollama.errors import AiollamaError
 from aiollama.server.native_request import native_prompts
-from aiollama.server.requests import MAX_INPUTS, BadRequest, embeddings_request, json_object
+from aiollama.server.openai_request import MAX_INPUTS, BadRequest, embeddings_request, json_object
 from aiollama.server.state import State, serving_engine, translate
 
 NATIVE_FIELDS = frozenset({"content", "input", "embd_normalize", "model", "encoding_format"})

@@ -16,13 +16,12 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from aiollama import Chunk, Conversation, Engine, SamplingParams, Stream, TokenLogprob
 from aiollama.errors import AiollamaError
 from aiollama.sampling import seed_for
 from aiollama.server.chat_request import chat_request
-from aiollama.server.images import read_images
 from aiollama.server.llama_shape import (
     BUILD_INFO,
     Clock,
@@ -33,7 +32,8 @@ from aiollama.server.llama_shape import (
     prompt_text,
 )
 from aiollama.server.native_request import Native, llama_fields
-from aiollama.server.requests import BadRequest, Request, completion_request, message_text
+from aiollama.server.openai_request import Request, completion_request, message_text
+from aiollama.server.opening import event_stream, open_route, while_connected
 from aiollama.server.shape import ChatChoice, TextChoice, prompt_logprobs
 from aiollama.server.state import (
     State,
@@ -96,9 +96,6 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
     try:
         if chat:
             assert req.messages is not None
-            if req.tool_choice not in (None, "auto", "none") and ("grammar" in req.params or "json_schema" in req.params):
-                raise BadRequest("tool_choice 'required' or a named function constrains the output; give "
-                                 "no response_format, grammar or json_schema with it", param="tool_choice")
             effort_of(engine, req.reasoning_effort, "reasoning_effort")
             n_prompt = root.append_chat(req.messages, **state.chat(req.chat_options()))
         elif req.suffix is not None:  # fill in the middle, between the prompt and the suffix
@@ -220,22 +217,12 @@ async def stream_items(streams: list[Stream], started: float,
 
 
 async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -> Response:
-    key: str = getattr(request.state, "api_key", "")
-    release = state.guard.hold(key)
-    try:
-        if chat and req.messages is not None:
-            await read_images(serving_engine(state), req.messages, state.fetcher)
-        job = _start(state, req, chat)
-    except BaseException:
-        release()
-        raise
+    job, release = await open_route(state, request, req.messages if chat else None, lambda: _start(state, req, chat))
     job.release = release
     if req.stream:
-        return StreamingResponse(_events(job, state, req), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return event_stream(_events(job, state, req))
     error: AiollamaError | None = None
     completion_tokens = 0
-    finished = False
 
     async def whole(i: int, stream: Stream) -> None:
         # woken once, at the end: a response nobody reads token by token costs no wake-up per step
@@ -252,14 +239,13 @@ async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -
         completion_tokens += n_tokens
         _observe_whole(state, job, stream, n_tokens)
 
+    async def every() -> None:
+        async with anyio.create_task_group() as each:
+            for i, stream in enumerate(job.streams):
+                each.start_soon(whole, i, stream)
+
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
-            async with anyio.create_task_group() as each:
-                for i, stream in enumerate(job.streams):
-                    each.start_soon(whole, i, stream)
-            finished = True
-            tg.cancel_scope.cancel()
+        finished = await while_connected(request, every)
     finally:
         with anyio.CancelScope(shield=True):
             await job.close()
@@ -316,14 +302,6 @@ def _usage(job: _Job, completion_tokens: int) -> dict[str, Any]:
         thought = sum(c.reasoning_tokens for c in job.choices if isinstance(c, ChatChoice))
         usage["completion_tokens_details"] = {"reasoning_tokens": thought}
     return usage
-
-
-async def cancel_on_disconnect(request: HttpRequest, scope: anyio.CancelScope) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
 
 
 async def _events(job: _Job, state: State, req: Request) -> AsyncIterator[str]:

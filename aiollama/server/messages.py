@@ -15,14 +15,14 @@ from typing import Any
 
 import anyio
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from aiollama import Engine, FinishReason, Stream
 from aiollama.errors import AiollamaError
-from aiollama.server.generate import cancel_on_disconnect
 from aiollama.server.images import read_images
 from aiollama.server.messages_request import MessagesRequest, messages_request
-from aiollama.server.requests import BadRequest, message_text
+from aiollama.server.openai_request import BadRequest, message_text
+from aiollama.server.opening import event_stream, open_route, while_connected
 from aiollama.server.shape import ChatChoice
 from aiollama.server.state import (
     CHAT_DEFAULTS,
@@ -81,25 +81,17 @@ async def count_tokens(state: State, request: HttpRequest) -> Response:
 
 async def create(state: State, request: HttpRequest) -> Response:
     req = messages_request(await state.guard.read_json(request))
-    release = state.guard.hold(getattr(request.state, "api_key", ""))
-    try:
-        await read_images(serving_engine(state), req.messages, state.fetcher)
-        reply = _start(state, req)
-    except BaseException:
-        release()
-        raise
+    reply, release = await open_route(state, request, req.messages, lambda: _start(state, req))
     if req.stream:
-        return StreamingResponse(_events(reply, release), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    finished = False
+        return event_stream(_events(reply, release))
+
+    async def read() -> None:
+        for chunk in await reply.stream.rest():
+            reply.choice.feed(chunk)
+            reply.generated += len(chunk.tokens)
+
     try:
-        async with anyio.create_task_group() as tg:  # a client that goes away cancels its generation
-            tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
-            for chunk in await reply.stream.rest():
-                reply.choice.feed(chunk)
-                reply.generated += len(chunk.tokens)
-            finished = True
-            tg.cancel_scope.cancel()
+        finished = await while_connected(request, read)  # a client that goes away cancels its generation
     except AiollamaError as exc:
         raise translate(exc) from None
     finally:

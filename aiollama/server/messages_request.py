@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiollama.server.requests import (
+from aiollama.server.openai_request import (
     MAX_STOP,
     BadRequest,
     common_request,
@@ -66,9 +66,8 @@ def messages_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
                                continue_final=prefill)
     if body.get("speed", "standard") not in ("standard", None):
         raise BadRequest("'speed' 'fast' is not offered by this server", param="speed", code="unsupported_parameter")
-    max_tokens = body.get("max_tokens")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise BadRequest("'max_tokens' must be an integer >= 1", param="max_tokens")
+    if body.get("max_tokens") is None:  # the Messages API asks for it; its value is checked once, below
+        raise BadRequest("'max_tokens' is required", param="max_tokens")
     if body.get("service_tier", "auto") not in ("auto", "standard_only"):
         raise BadRequest("'service_tier' must be 'auto' or 'standard_only'", param="service_tier")
     if body.get("temperature") is not None:

@@ -15,13 +15,13 @@ from typing import Any
 
 import anyio
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from aiollama import Conversation, Engine, SamplingParams, Stream
 from aiollama.errors import AiollamaError
 from aiollama.formats.messages import IMAGE
 from aiollama.sampling import seed_for
-from aiollama.server.generate import cancel_on_disconnect, stream_items
+from aiollama.server.generate import stream_items
 from aiollama.server.llama_shape import (
     BUILD_INFO,
     NOT_IN_PROPS,
@@ -42,7 +42,8 @@ from aiollama.server.native_request import (
     native_prompts,
     native_request,
 )
-from aiollama.server.requests import MAX_PROMPTS, BadRequest, json_object
+from aiollama.server.openai_request import MAX_PROMPTS, BadRequest, json_object
+from aiollama.server.opening import event_stream, while_connected
 from aiollama.server.state import State, lora_names, serving_engine, translate
 
 
@@ -135,10 +136,8 @@ async def _serve(state: State, request: HttpRequest, engine: Engine, native: Nat
 
     answer = _Answer(state, engine, native, settings, tasks, started)
     if native.stream:
-        return StreamingResponse(answer.events(close), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return event_stream(answer.events(close))
     error: AiollamaError | None = None
-    finished = False
 
     async def whole(task: _Task) -> None:
         nonlocal error
@@ -147,14 +146,13 @@ async def _serve(state: State, request: HttpRequest, engine: Engine, native: Nat
         except AiollamaError as exc:
             error = error or exc
 
+    async def every() -> None:
+        async with anyio.create_task_group() as each:
+            for task in tasks:
+                each.start_soon(whole, task)
+
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
-            async with anyio.create_task_group() as each:
-                for task in tasks:
-                    each.start_soon(whole, task)
-            finished = True
-            tg.cancel_scope.cancel()
+        finished = await while_connected(request, every)
     finally:
         with anyio.CancelScope(shield=True):
             await close()

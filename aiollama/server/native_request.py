@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiollama.sampling import MAX_TOP_LOGPROBS, wrap_seed
-from aiollama.server.requests import MAX_PROMPTS, MAX_STOP, BadRequest, integer_field, lora_list
+from aiollama.server.openai_request import MAX_PROMPTS, MAX_STOP, BadRequest, integer_field, lora_list, number_field
 
 # Samplers of llama-server's that aiollama does not have: taken at the value that turns them off
 # (the documented default), refused otherwise.
@@ -62,16 +62,6 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _real(body: dict[str, Any], name: str, low: float = -math.inf, high: float = math.inf) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise BadRequest(f"'{name}' must be a number in [{low}, {high}], got {value!r}", param=name)
-    return float(value)
-
-
 def llama_fields(body: dict[str, Any], *, n_slots: int) -> Native:
     """The llama.cpp fields that the OpenAI routes take as llama-server does."""
     out = Native(n_probs=integer_field(body, "n_probs", 0, MAX_TOP_LOGPROBS) or 0,
@@ -93,20 +83,20 @@ def native_request(body: dict[str, Any], *, n_slots: int, tokenize: Any) -> Nati
     temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, no length limit). ``tokenize`` makes token
     ids of a ``logit_bias`` given as text."""
     for name, off in OFF.items():
-        if name in body and body[name] != off and not (name == "top_n_sigma" and _real(body, name) is not None
+        if name in body and body[name] != off and not (name == "top_n_sigma" and number_field(body, name) is not None
                                                         and float(body[name]) <= 0):
             raise BadRequest(f"'{name}' is not supported by this server (its sampler is not there); "
                              f"leave it at {off!r}", param=name, code="unsupported_parameter")
     native = llama_fields(body, n_slots=n_slots)
     params = native.params
-    temperature = _real(body, "temperature")
+    temperature = number_field(body, "temperature")
     if temperature is not None:
         params["temperature"] = max(0.0, temperature)  # below 0: greedy
     for name, key, low, high in (("top_p", "top_p", 0.0, 1.0), ("min_p", "min_p", 0.0, 1.0),
                                  ("typical_p", "typical_p", 0.0, 1.0), ("repeat_penalty", "repeat_penalty", 0.0, 10.0),
                                  ("presence_penalty", "presence_penalty", -2.0, 2.0),
                                  ("frequency_penalty", "frequency_penalty", -2.0, 2.0)):
-        value = _real(body, name, low, high)
+        value = number_field(body, name, low, high)
         if value is not None:
             if name in ("top_p", "typical_p", "repeat_penalty") and value == 0.0:
                 value = 1.0 if name == "repeat_penalty" else value

@@ -17,15 +17,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import anyio
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from aiollama import Chunk, Conversation, FinishReason, SamplingParams, Stream
 from aiollama.errors import AiollamaError
-from aiollama.server.generate import cancel_on_disconnect
-from aiollama.server.images import read_images
-from aiollama.server.requests import BadRequest, message_text
+from aiollama.server.openai_request import BadRequest, message_text
+from aiollama.server.opening import event_stream, open_route, while_connected
 from aiollama.server.responses_request import ResponsesRequest, responses_request
 from aiollama.server.shape import ChatChoice
 from aiollama.server.state import (
@@ -61,26 +59,16 @@ def _not_found(response_id: str, param: str | None = None) -> BadRequest:
 
 async def create(state: State, request: HttpRequest) -> Response:
     req = responses_request(await state.guard.read_json(request))
-    key: str = getattr(request.state, "api_key", "")
-    release = state.guard.hold(key)
-    try:
-        await read_images(serving_engine(state), req.messages, state.fetcher)
-        turn = _start(state, req)
-    except BaseException:
-        release()
-        raise
+    turn, release = await open_route(state, request, req.messages, lambda: _start(state, req))
     if req.stream:
-        return StreamingResponse(_events(state, turn, release), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    finished = False
+        return event_stream(_events(state, turn, release))
+
+    async def read() -> None:
+        async for chunk in turn.stream:
+            turn.feed(chunk)
+
     try:
-        async with anyio.create_task_group() as tg:  # a client that goes away cancels its generation
-            tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
-            async for chunk in turn.stream:
-                turn.feed(chunk)
-            finished = True
-            tg.cancel_scope.cancel()
-        if not finished:
+        if not await while_connected(request, read):  # a client that goes away cancels its generation
             return Response(status_code=499)  # nobody reads it; nothing is stored
         return JSONResponse(turn.finish())
     except AiollamaError as exc:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiollama.server.requests import (
+from aiollama.server.openai_request import (
     REASONING_EFFORTS,
     BadRequest,
     common_request,

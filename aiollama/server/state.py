@@ -20,7 +20,7 @@ from aiollama.errors import (
 from aiollama.server.fetch import Fetcher
 from aiollama.server.guard import Guard
 from aiollama.server.metrics import Metrics
-from aiollama.server.requests import BadRequest
+from aiollama.server.openai_request import BadRequest
 from aiollama.server.store import ResponseStore
 
 # a chat reply runs to the turn's end; the sampling defaults are llama-server's (the engine's)
@@ -161,7 +161,7 @@ def translate(exc: AiollamaError) -> BadRequest:
         extra = {} if exc.n_ctx is None else {"n_prompt_tokens": exc.n_prompt_tokens, "n_ctx": exc.n_ctx}
         return BadRequest(str(exc), code="context_length_exceeded", extra=extra)
     if isinstance(exc, InvalidRequestError):
-        return BadRequest(str(exc))
+        return BadRequest(str(exc), param=exc.param)
     if isinstance(exc, (ClosedError, EngineDead)):
         return BadRequest(str(exc), status=503, code="unavailable")
     return BadRequest(str(exc), status=500, code="internal_error")

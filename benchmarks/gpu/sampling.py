@@ -22,7 +22,7 @@ from aiollama.native import (
     SamplerChain,
     sample_rows,
 )
-from aiollama.native.sampler import attach
+from aiollama.native.sampler_chain import attach
 
 
 def chain(model: Model, greedy: bool, seed: int) -> SamplerChain:

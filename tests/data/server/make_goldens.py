@@ -1,6 +1,6 @@
 """Write llama_server.json: the shape of llama-server's answers to its own clients' requests (the
 native ``/completion``, ``/infill``, ``/embedding``, ``/props``, ``/tokenize``, ``/health``, and the
-llama.cpp fields of its OpenAI routes), which ``tests/test_llama_server_api.py`` holds aiollama's
+llama.cpp fields of its OpenAI routes), which ``tests/server/test_llama_server_api.py`` holds aiollama's
 answers to: the same fields, of the same JSON types, and the values both engines must agree on
 (``VALUES``: the same model, greedy sampling).
 
