@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from fuzz_bodies import ROUTES, check, mutated, send  # noqa: E402
+from fuzz_bodies import ROUTES, Watch, check, mutated, send  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import seed as seeded  # noqa: E402
 
@@ -46,7 +46,6 @@ def main() -> int:
         server = Server(model, "-c", "2048", "-np", "4", "--deterministic", "--unified-cache", "--max-body-mib", "1",
                         "--log-level", "warning")
         url = server.url
-    from test_fuzz import Watch
 
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     statuses: collections.Counter[int] = collections.Counter()

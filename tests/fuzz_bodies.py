@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import threading
 import urllib.error
 import urllib.request
 from typing import Any
@@ -160,3 +161,48 @@ def check(status: int, raw: bytes, shape: str) -> str | None:
     if shape == "llama" and error.get("code") != status:
         return f"a {status} not in llama-server's shape: {answer!r:.300}"
     return None
+
+
+WATCHED = [[{"role": "user", "content": "Tell me about the sea."}],
+           [{"role": "system", "content": "Count."}, {"role": "user", "content": "One, two,"}]]
+
+
+def stream_text(url: str, messages: list[dict[str, Any]]) -> str:
+    status, raw = send(url, "POST", "/v1/chat/completions",
+                       {"messages": messages, "max_tokens": 24, "temperature": 0, "stream": True,
+                        "priority": -100})  # ahead of the fuzzing in the queue: lower goes first
+    assert status == 200, raw[:300]
+    parts = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line[6:] != "[DONE]":
+            for choice in json.loads(line[6:])["choices"]:
+                parts.append(choice["delta"].get("content") or "")
+    return "".join(parts)
+
+
+class Watch:
+    """Greedy streams run over and over beside the fuzzing, each held to what it gave alone."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.alone = [stream_text(url, m) for m in WATCHED]
+        self.runs, self.harmed = 0, []  # type: ignore[var-annotated]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for messages, alone in zip(self.alone and WATCHED, self.alone):
+                try:
+                    text = stream_text(self.url, messages)
+                except Exception as exc:  # noqa: BLE001 - a failed stream is harm, told below
+                    self.harmed.append(repr(exc))
+                    continue
+                self.runs += 1
+                if text != alone:
+                    self.harmed.append(f"{text!r} != {alone!r}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)

@@ -3,6 +3,7 @@ the engine fails here rather than on the day its figures are wanted."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -34,3 +35,15 @@ def test_a_request_spanning_windows_is_shared_among_them() -> None:
     per_window = [0.0, 0.0, 0.0]
     steady.spread(per_window, 0.5, 2.5, 1.0, 40)  # 0.5 s in the first window, 1 s in the second, 0.5 in the third
     assert per_window == pytest.approx([10.0, 20.0, 10.0])
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")))
+def test_every_benchmark_script_imports(script: str) -> None:
+    """A module a script imports that moved or was renamed fails here, not on the day of the run."""
+    importlib.import_module(script)
+
+
+def test_the_reply_parsing_benchmark_reads_a_short_reply_both_ways() -> None:
+    import reply_parsing
+    for template, tools, text in reply_parsing.cases(200).values():
+        assert len(reply_parsing.run(template, tools, text, splice=True)) == 4
