@@ -19,11 +19,12 @@ from starlette.responses import JSONResponse, Response
 
 from aiollama import Engine, FinishReason, Stream
 from aiollama.errors import AiollamaError
+from aiollama.formats.reply import ReplyDelta
+from aiollama.formats.toolcalls import ToolCall
 from aiollama.server.images import read_images
 from aiollama.server.messages_request import MessagesRequest, messages_request
 from aiollama.server.openai_request import BadRequest, message_text
 from aiollama.server.opening import event_stream, open_route, while_connected
-from aiollama.server.shape import ChatChoice
 from aiollama.server.state import (
     CHAT_DEFAULTS,
     State,
@@ -85,9 +86,11 @@ async def create(state: State, request: HttpRequest) -> Response:
     if req.stream:
         return event_stream(_events(reply, release))
 
-    async def read() -> None:
+    text: list[str] = []
+
+    async def read() -> None:  # woken once, at the end; the reply is read whole after
         for chunk in await reply.stream.rest():
-            reply.choice.feed(chunk)
+            text.append(chunk.text)
             reply.generated += len(chunk.tokens)
 
     try:
@@ -101,7 +104,7 @@ async def create(state: State, request: HttpRequest) -> Response:
             await reply.close()
     if not finished:
         return Response(status_code=499)
-    blocks = reply.blocks()
+    blocks = reply.blocks("".join(text))
     called = any(block["type"] == "tool_use" for block in blocks)
     return JSONResponse(reply.message(blocks, *reply.stop(called), reply.usage(reply.generated)))
 
@@ -116,7 +119,7 @@ class Reply:
         self.model = state.name()
         self.input_tokens = input_tokens
         assert stream.reader is not None
-        self.choice = ChatChoice(0, stream.reader, serving_engine(state).token_bytes)
+        self.reader = stream.reader  # the reply read in the model's format: neutral deltas, then a Message
         self.generated = 0
         self.show_thinking = req.show_thinking
 
@@ -138,23 +141,22 @@ class Reply:
         reason = STOP_REASONS.get(self.stream.finish_reason or FinishReason.EOG, "end_turn")
         return reason, self.stream.stop_sequence if reason == "stop_sequence" else None
 
-    def blocks(self) -> list[dict[str, Any]]:
-        """The whole reply as content blocks."""
-        message = self.choice.message(self.stream.finish_reason)["message"]
+    def blocks(self, text: str | None = None) -> list[dict[str, Any]]:
+        """The whole reply as content blocks (``text``: the reply, when it was not fed as it streamed)."""
+        message = self.reader.read(text) if text is not None else self.reader.message
         out: list[dict[str, Any]] = []
-        if message.get("reasoning_content"):
-            out.append({"type": "thinking", "thinking": message["reasoning_content"] if self.show_thinking else "",
-                        "signature": ""})
-        if message.get("content"):
-            out.append({"type": "text", "text": message["content"]})
-        out += [tool_use(call) for call in message.get("tool_calls") or []]
+        if message.reasoning:
+            out.append({"type": "thinking", "thinking": message.reasoning if self.show_thinking else "", "signature": ""})
+        if message.content:
+            out.append({"type": "text", "text": message.content})
+        out += [tool_use(call) for call in message.tool_calls]
         return out
 
 
-def tool_use(call: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI tool call as a ``tool_use`` block."""
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
-            "input": json.loads(call["function"]["arguments"] or "{}")}
+def tool_use(call: ToolCall) -> dict[str, Any]:
+    """A tool call as a ``tool_use`` block: its arguments, JSON text as the model wrote them, as an object."""
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": json.loads(call.arguments or "{}")}
 
 
 def _start(state: State, req: MessagesRequest) -> Reply:
@@ -187,27 +189,26 @@ async def _events(reply: Reply, release: Callable[[], None]) -> AsyncIterator[st
         index, kind = index + 1, to
         return out + [_event("content_block_start", index=index, content_block=block)]
 
-    def pieces(deltas: list[dict[str, Any]]) -> list[str]:
+    def pieces(deltas: list[ReplyDelta]) -> list[str]:
         out = []
         for delta in deltas:
-            if piece := delta["delta"].get("reasoning_content"):
+            if delta.reasoning:
                 if kind != "thinking":
                     out += switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                if not reply.show_thinking:
-                    continue
-                out.append(_event("content_block_delta", index=index, delta={"type": "thinking_delta",
-                                                                              "thinking": piece}))
-            if piece := delta["delta"].get("content"):
+                if reply.show_thinking:
+                    out.append(_event("content_block_delta", index=index,
+                                      delta={"type": "thinking_delta", "thinking": delta.reasoning}))
+            if delta.content:
                 if kind != "text":
                     out += switch("text", {"type": "text", "text": ""})
-                out.append(_event("content_block_delta", index=index, delta={"type": "text_delta", "text": piece}))
-            for call in delta["delta"].get("tool_calls") or []:
-                if "id" in call:  # a call begins: its id and name, then its arguments as they come
-                    out += switch("tool_use", {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
-                                               "name": call["function"]["name"], "input": {}})
-                elif call["function"]["arguments"]:
-                    out.append(_event("content_block_delta", index=index, delta={
-                        "type": "input_json_delta", "partial_json": call["function"]["arguments"]}))
+                out.append(_event("content_block_delta", index=index, delta={"type": "text_delta", "text": delta.content}))
+            for call in delta.calls:
+                if call.name:  # a call begins: its id and name, then its arguments as they come
+                    out += switch("tool_use", {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
+                                               "name": call.name, "input": {}})
+                elif call.arguments:
+                    out.append(_event("content_block_delta", index=index,
+                                      delta={"type": "input_json_delta", "partial_json": call.arguments}))
         return out
 
     try:
@@ -215,9 +216,9 @@ async def _events(reply: Reply, release: Callable[[], None]) -> AsyncIterator[st
         try:
             async for chunk in reply.stream:
                 reply.generated += len(chunk.tokens)
-                for line in pieces(reply.choice.feed(chunk)):
+                for line in pieces(reply.reader.feed(chunk.text)):
                     yield line
-            for line in pieces(reply.choice.finish(reply.stream.finish_reason)):
+            for line in pieces(reply.reader.finish()):
                 yield line
         except AiollamaError as exc:
             error = translate(exc)

@@ -19,12 +19,14 @@ from typing import Any
 
 from aiollama.server.openai_request import (
     MAX_STOP,
+    RANGES,
     BadRequest,
-    common_request,
     json_object,
+    sampling_fields,
     tool_list,
 )
 
+ANTHROPIC_RANGES = {**RANGES, "temperature": (0.0, 1.0)}  # the Messages API's temperature is in [0, 1]
 INFORMATIONAL = ("metadata", "service_tier", "inference_geo", "user_profile_id", "workspace_id")  # change nothing here
 MESSAGES_FIELDS = frozenset({
     "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
@@ -70,24 +72,23 @@ def messages_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
         raise BadRequest("'max_tokens' is required", param="max_tokens")
     if body.get("service_tier", "auto") not in ("auto", "standard_only"):
         raise BadRequest("'service_tier' must be 'auto' or 'standard_only'", param="service_tier")
-    if body.get("temperature") is not None:
-        temperature = body["temperature"]
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 1:
-            raise BadRequest(f"'temperature' must be a number in [0, 1], got {temperature!r}", param="temperature")
     stops = body.get("stop_sequences")
     if stops is not None and (not isinstance(stops, list) or len(stops) > MAX_STOP
                               or not all(isinstance(s, str) and s for s in stops)):
         raise BadRequest(f"'stop_sequences' must be a list of at most {MAX_STOP} non-empty strings",
                          param="stop_sequences")
-    chat_body = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "stream") if k in body}
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    fields = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k") if k in body}  # same names
     if stops:
-        chat_body["stop"] = stops
+        fields["stop"] = stops
     if budget is not None:
-        chat_body["reasoning_budget"] = budget
+        fields["reasoning_budget"] = budget
     if schema is not None:
-        chat_body["json_schema"] = schema
-    common = common_request(chat_body, default_max_tokens=None)
-    return MessagesRequest(messages, common.params, common.stream, tools, choice, thinking, show, effort, prefill)
+        fields["json_schema"] = schema
+    params = sampling_fields(fields, ANTHROPIC_RANGES)
+    return MessagesRequest(messages, params, stream, tools, choice, thinking, show, effort, prefill)
 
 
 def _text_blocks(value: Any, where: str) -> str:

@@ -108,14 +108,17 @@ RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-
           "frequency_penalty": (-2.0, 2.0), "top_k": (0.0, math.inf), "min_p": (0.0, 1.0), "repeat_penalty": (0.0, 10.0)}
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+def sampling_fields(body: dict[str, Any], ranges: dict[str, tuple[float, float]] = RANGES) -> dict[str, Any]:
+    """The sampling parameters of a body whose fields bear their neutral names (``max_tokens``,
+    ``temperature``, ``stop``...), each checked once, in ``ranges`` (OpenAI's by default); a 400
+    names the field."""
     params: dict[str, Any] = {}
     max_tokens = integer_field(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = integer_field(body, "max_tokens", 1)
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
-    for name, (low, high) in RANGES.items():  # OpenAI's ranges, then llama-server's extensions
+    for name, (low, high) in ranges.items():  # temperature... then llama-server's extensions
         value = integer_field(body, name, int(low)) if name == "top_k" else number_field(body, name, low, high)
         if value is not None:
             if value == 0.0 and name in ("top_p", "repeat_penalty"):
@@ -270,7 +273,7 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     options = stream_options(body.get("stream_options"), stream)
-    params = _sampling(body)
+    params = sampling_fields(body)
     if body.get("ignore_eos"):
         params["ignore_eos"] = True
     salt = body.get("cache_salt")
