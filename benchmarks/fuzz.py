@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from fuzz_bodies import ROUTES, Watch, check, mutated, send  # noqa: E402
+from fuzz_bodies import ROUTES, SERVER_OPTIONS, Watch, check, mutated, send  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import seed as seeded  # noqa: E402
 
@@ -43,8 +43,7 @@ def main() -> int:
         import aiollama
 
         model = tiny_model(aiollama.cache_dir() / "test-models", aiollama.pull())
-        server = Server(model, "-c", "2048", "-np", "4", "--deterministic", "--unified-cache", "--max-body-mib", "1",
-                        "--log-level", "warning")
+        server = Server(model, *SERVER_OPTIONS)
         url = server.url
 
     seed = args.seed if args.seed is not None else random.randrange(2**32)
@@ -61,6 +60,7 @@ def main() -> int:
                 status, raw = send(url, method, path, body)
             except OSError as exc:
                 problems.append(f"{name}: dropped: {exc!r} for {body!r:.200}")
+                print("  ", problems[-1], flush=True)
                 return
             statuses[status] += 1
             problem = check(status, raw, shape)

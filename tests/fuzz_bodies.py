@@ -163,6 +163,12 @@ def check(status: int, raw: bytes, shape: str) -> str | None:
     return None
 
 
+# the server the fuzzing runs against: deterministic, so that a watched stream's tokens cannot depend
+# on what runs beside it; a small context and a default length, so that a body asking for no limit
+# (or for billions of tokens) ends within a few hundred steps, loaded machine or not
+SERVER_OPTIONS = ("-c", "512", "-n", "32", "-np", "4", "--deterministic", "--unified-cache", "--max-body-mib", "1",
+                  "--log-level", "warning")
+
 WATCHED = [[{"role": "user", "content": "Tell me about the sea."}],
            [{"role": "system", "content": "Count."}, {"role": "user", "content": "One, two,"}]]
 

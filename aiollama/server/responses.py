@@ -22,10 +22,10 @@ from starlette.responses import JSONResponse, Response
 
 from aiollama import Chunk, Conversation, FinishReason, SamplingParams, Stream
 from aiollama.errors import AiollamaError
+from aiollama.formats.reply import ReplyDelta
 from aiollama.server.openai_request import BadRequest, message_text
 from aiollama.server.opening import event_stream, open_route, while_connected
 from aiollama.server.responses_request import ResponsesRequest, responses_request
-from aiollama.server.shape import ChatChoice
 from aiollama.server.state import (
     CHAT_DEFAULTS,
     State,
@@ -104,13 +104,17 @@ class Turn:
         self.model = state.name()
         self.input_tokens = input_tokens
         assert stream.reader is not None
-        self.choice = ChatChoice(0, stream.reader, serving_engine(state).token_bytes)
+        self.reader = stream.reader  # the reply read in the model's format: neutral deltas, then a Message
         self.response: dict[str, Any] | None = None
         self.generated = 0
+        self.reasoning_tokens = 0  # tokens of chunks that thought
 
-    def feed(self, chunk: Chunk) -> list[dict[str, Any]]:
+    def feed(self, chunk: Chunk) -> list[ReplyDelta]:
         self.generated += len(chunk.tokens)
-        return self.choice.feed(chunk)
+        deltas = self.reader.feed(chunk.text)
+        if any(d.reasoning for d in deltas):
+            self.reasoning_tokens += len(chunk.tokens)
+        return deltas
 
     def shell(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
@@ -119,17 +123,17 @@ class Turn:
                 "incomplete_details": incomplete, **self.req.echo}
 
     def output(self) -> list[dict[str, Any]]:
-        message = self.choice.message(self.stream.finish_reason)["message"]
+        self.reader.finish()
+        message = self.reader.message
         items: list[dict[str, Any]] = []
-        if message.get("reasoning_content"):
+        if message.reasoning:
             items.append({"id": "rs_" + self.id[5:], "type": "reasoning", "summary": [],
-                          "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
-        if message.get("content"):
-            items.append(self.message_item(message["content"], "completed"))
-        for call in message.get("tool_calls") or []:
-            items.append({"id": "fc_" + call["id"][5:], "type": "function_call", "status": "completed",
-                          "call_id": call["id"], "name": call["function"]["name"],
-                          "arguments": call["function"]["arguments"]})
+                          "content": [{"type": "reasoning_text", "text": message.reasoning}]})
+        if message.content:
+            items.append(self.message_item(message.content, "completed"))
+        for call in message.tool_calls:
+            items.append({"id": "fc_" + call.id[5:], "type": "function_call", "status": "completed",
+                          "call_id": call.id, "name": call.name, "arguments": call.arguments})
         return items
 
     def message_item(self, text: str | None, status: str) -> dict[str, Any]:
@@ -141,7 +145,7 @@ class Turn:
         generated = self.generated
         cached = min(stats.cached_tokens, self.input_tokens) if stats is not None else 0
         usage = {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": cached},
-                 "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": self.choice.reasoning_tokens},
+                 "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                  "total_tokens": self.input_tokens + generated}
         status = "incomplete" if self.stream.finish_reason is FinishReason.LENGTH else "completed"
         self.response = self.shell(status, self.output(), usage)
@@ -213,7 +217,7 @@ async def _events(state: State, turn: Turn, release: Callable[[], None]) -> Asyn
         try:
             async for chunk in turn.stream:
                 for delta in turn.feed(chunk):
-                    if piece := delta["delta"].get("reasoning_content"):
+                    if piece := delta.reasoning:
                         if "reasoning" not in opened:
                             opened["reasoning"] = len(opened)
                             yield event("response.output_item.added", output_index=opened["reasoning"], item={
@@ -221,7 +225,7 @@ async def _events(state: State, turn: Turn, release: Callable[[], None]) -> Asyn
                         thought += piece
                         yield event("response.reasoning_text.delta", item_id=reasoning_id,
                                     output_index=opened["reasoning"], content_index=0, delta=piece)
-                    if piece := delta["delta"].get("content"):
+                    if piece := delta.content:
                         if "message" not in opened:
                             for line in close_reasoning(thought) if "reasoning" in opened else []:
                                 yield line

@@ -10,16 +10,14 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import fuzz_bodies
 import pytest
 from fuzz_bodies import ROUTES, Watch, check, mutated, send
 from hypothesis import HealthCheck, given, settings
 from server_process import Server
 
 EXAMPLES = int(os.environ.get("AIOLLAMA_FUZZ_EXAMPLES", "20"))  # per route
-
-
-SERVER_OPTIONS = ("-c", "2048", "-np", "4", "--deterministic", "--unified-cache", "--max-body-mib", "1",
-                  "--log-level", "warning")
+SERVER_OPTIONS = fuzz_bodies.SERVER_OPTIONS  # the server fixture's (tests/server/conftest.py)
 
 
 @pytest.fixture(scope="module")
