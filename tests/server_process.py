@@ -29,9 +29,12 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        # its output goes to a file, not a pipe: a pipe nobody reads fills up, and a server that
+        # logs then blocks writing to it, event loop and all
+        self._log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             [sys.executable, *command, str(model), "--port", str(self.port), *options],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir())
+            stdout=self._log, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir())
         deadline = time.monotonic() + startup
         while True:
             try:
@@ -72,7 +75,11 @@ class Server:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
     def output(self) -> str:
-        return self.proc.stdout.read() if self.proc.stdout and self.proc.poll() is not None else ""
+        """What the server printed so far (all it printed, once stopped)."""
+        if self._log.closed:
+            return self._said
+        self._log.seek(0)
+        return self._log.read()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -82,5 +89,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
+        if not self._log.closed:
+            self._said = self.output()
+            self._log.close()

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from aiollama import Engine
+from aiollama.errors import AiollamaError
 from aiollama.formats.chat import REASONING_FORMATS
 from aiollama.models import default_model
 from aiollama.sampling import SamplingParams
@@ -32,7 +33,7 @@ from aiollama.server.generate import chat_completions, completions
 from aiollama.server.guard import Guard, Limits, load_keys
 from aiollama.server.openai_request import BadRequest
 from aiollama.server.prompt_tools import apply_template, detokenize, tokenize
-from aiollama.server.state import State, serving_engine
+from aiollama.server.state import State, serving_engine, translate
 from aiollama.server.store import SWEEP_SECONDS, ResponseStore, Sizing
 
 # llama-server's routes that mean nothing here, answered as its own disabled endpoints are (501,
@@ -232,13 +233,15 @@ Endpoint = Callable[[HttpRequest], Awaitable[Response]]
 
 def _endpoint(state: State, name: str, handler: Handler,
               shape: Callable[[BadRequest], dict[str, Any]] = BadRequest.body) -> Endpoint:
-    """``handler`` as a route: its key checked, its refusals answered in ``shape`` (OpenAI's error
-    object unless the API has its own), counted in the metrics."""
+    """``handler`` as a route: its key checked, its refusals (and the engine's, a typed error
+    whichever route raises it) answered in ``shape`` (OpenAI's error object unless the API has its
+    own), counted in the metrics."""
     async def endpoint(request: HttpRequest) -> Response:
         try:
             request.state.api_key = state.guard.identify(request, name)
             response = await handler(state, request)
-        except BadRequest as exc:
+        except (BadRequest, AiollamaError) as raised:  # an engine's refusal is the client's error too
+            exc = raised if isinstance(raised, BadRequest) else translate(raised)
             headers = {"Retry-After": str(state.retry_after)} if exc.status == 503 else None
             response = JSONResponse(shape(exc), status_code=exc.status, headers=headers)
         state.metrics.requests.labels(name, str(response.status_code)).inc()

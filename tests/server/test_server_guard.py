@@ -179,6 +179,10 @@ async def test_each_field_is_checked_once_and_named_in_each_apis_shape(guarded: 
     assert status == 400 and answer["error"]["param"] == "tool_choice" and "constrains" in answer["error"]["message"]
     status, answer = post(guarded, "/v1/chat/completions", {**body, "tool_choice": {"function": {"name": "g"}}})
     assert status == 400 and answer["error"]["param"] == "tool_choice" and "'g'" in answer["error"]["message"]
+    for path, body in (("/tokenize", {"content": "\ud800"}), ("/v1/embeddings", {"input": "a\udfffb"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udc00"}]})):
+        status, answer = post(guarded, path, body)  # a lone surrogate: valid JSON, not Unicode
+        assert status == 400 and "surrogate" in answer["error"]["message"], (path, answer)
     messages = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
     for bad in (None, 0, "8", True):
         status, answer = post(guarded, "/v1/messages", {**messages, "max_tokens": bad} if bad is not None else messages)
