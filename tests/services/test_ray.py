@@ -95,7 +95,11 @@ def test_a_responses_chain_stays_with_the_replica_that_holds_it_and_ends_clearly
             with urllib.request.urlopen(request, timeout=120) as response:
                 return response.status, json.loads(response.read()), response.headers[REPLICA_HEADER]
         except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read()), exc.headers[REPLICA_HEADER]
+            raw = exc.read()
+            try:
+                return exc.code, json.loads(raw), exc.headers[REPLICA_HEADER]
+            except ValueError:  # Ray's proxy, not a replica, answered (in plain text)
+                return exc.code, raw.decode("utf-8", "replace"), exc.headers[REPLICA_HEADER]
 
     status, first, holder = call("POST", "/v1/responses", {"input": "Once upon a time", "max_output_tokens": 4,
                                                            "temperature": 0})
@@ -129,7 +133,7 @@ def test_a_responses_chain_stays_with_the_replica_that_holds_it_and_ends_clearly
         except OSError:
             time.sleep(0.5)
             continue
-        if status != 500 and served != holder:
+        if status != 500 and served != holder and isinstance(gone, dict):
             break
         time.sleep(0.5)
     assert status == 404 and "gone" in gone["error"]["message"], gone  # never another conversation's reply

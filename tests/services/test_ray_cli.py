@@ -35,13 +35,22 @@ def _free_port() -> int:
 
 
 def _call(url: str, method: str, body: Any = None) -> tuple[int, Any, dict[str, str]]:
+    """The status, the body (JSON, or the text of an answer that is not: Ray's proxy answers a
+    route it has not deployed yet in plain text), and the headers."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read() or b"null"), dict(response.headers)
+            return response.status, _body(response.read()), dict(response.headers)
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null"), dict(exc.headers)
+        return exc.code, _body(exc.read()), dict(exc.headers)
+
+
+def _body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw or b"null")
+    except ValueError:
+        return raw.decode("utf-8", "replace")
 
 
 def test_serve_replicas_starts_with_every_engine_flag_and_keeps_responses_with_their_replica(
