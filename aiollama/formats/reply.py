@@ -78,7 +78,7 @@ class ReplyReader:
         self.text += text
         try:
             if self._spliced is not None:
-                parsed = self._spliced.feed(text)
+                parsed = self._spliced.feed(text, self.text)
             else:
                 parsed = self.parser.parse(self.text, partial=True)
         except ValueError:

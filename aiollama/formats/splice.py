@@ -42,21 +42,19 @@ class Spliced:
 
     def __init__(self, parse: Parse) -> None:
         self._parse = parse
-        self.text = ""  # the whole reply
         self._doc = ""  # the reply less its cuts: what the parser reads
         self._cuts: list[_Cut] = []
         self.cut_chars = 0  # characters the parser no longer reads (for tests and measurements)
 
-    def feed(self, text: str) -> dict[str, Any]:
-        """The parse of the whole reply so far, ``text`` added. ValueError where the parser cannot
-        read it yet."""
-        self.text += text
+    def feed(self, text: str, reply: str) -> dict[str, Any]:
+        """The parse of the whole reply so far (``reply``, its owner's), ``text`` its latest part.
+        ValueError where the parser cannot read it yet."""
         self._doc += text
         if self._cuts:
             parsed = self._parse(self._doc)
             whole = self._restore(parsed)
             if whole is None:  # a cut no longer falls within one run: read the whole text again
-                self._cuts, self._doc, self.cut_chars = [], self.text, 0
+                self._cuts, self._doc, self.cut_chars = [], reply, 0
                 whole = parsed = self._parse(self._doc)
         else:
             whole = parsed = self._parse(self._doc)
