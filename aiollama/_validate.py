@@ -15,10 +15,16 @@ MAX_SEQ = 256  # LLAMA_MAX_SEQ at the pinned tag: the most sequences a context c
 SEED_MAX = 2**32 - 2  # LLAMA_DEFAULT_SEED (2**32 - 1) means "pick a random seed"
 
 
+def _param(name: str) -> str | None:
+    """The parameter a check names, where its name is one (``max_tokens``, not ``lora scale of 'a'``)."""
+    head = name.split()[0]
+    return head if head.isidentifier() else None
+
+
 def integer(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an int in ``[low, high]`` (either bound may be open)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an int, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an int, got {value!r}", param=_param(name))
     if (low is not None and value < low) or (high is not None and value > high):
         if high is None:
             bound = f">= {low}"
@@ -26,7 +32,7 @@ def integer(name: str, value: object, *, low: int | None = None, high: int | Non
             bound = f"<= {high}"
         else:
             bound = f"in [{low}, {high}]"
-        raise InvalidRequestError(f"{name} must be an int {bound}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an int {bound}, got {value!r}", param=_param(name))
     return value
 
 
@@ -34,11 +40,11 @@ def number(name: str, value: object, *, low: float | None = None, high: float | 
            low_open: bool = False) -> float:
     """``value`` as a finite float in ``[low, high]``; ``low_open`` excludes ``low`` itself."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=_param(name))
     if low is not None and (value < low or (low_open and value == low)):
-        raise InvalidRequestError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}", param=_param(name))
     if high is not None and value > high:
-        raise InvalidRequestError(f"{name} must be <= {high}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be <= {high}, got {value!r}", param=_param(name))
     return float(value)
 
 

@@ -135,41 +135,45 @@ class SamplingParams:
         if self.seed is not None:
             integer("seed", self.seed, low=0, high=SEED_MAX)
         if not isinstance(self.logit_bias, Mapping):
-            raise InvalidRequestError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+            raise InvalidRequestError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}",
+                                      param="logit_bias")
         for token, bias in self.logit_bias.items():
             integer("logit_bias token", token, low=0)
             if not (isinstance(bias, (int, float)) and not isinstance(bias, bool)) or math.isnan(bias):
-                raise InvalidRequestError(f"logit_bias value for token {token} must be a number, got {bias!r}")
+                raise InvalidRequestError(f"logit_bias value for token {token} must be a number, got {bias!r}",
+                                          param="logit_bias")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise InvalidRequestError("grammar must be a non-empty GBNF string")
+            raise InvalidRequestError("grammar must be a non-empty GBNF string", param="grammar")
         stop: Any = self.stop
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
-            raise InvalidRequestError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+            raise InvalidRequestError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}",
+                                      param="stop")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
         if self.context_shift is not None and not isinstance(self.context_shift, bool):
-            raise InvalidRequestError(f"context_shift must be a bool or None, got {self.context_shift!r}")
+            raise InvalidRequestError(f"context_shift must be a bool or None, got {self.context_shift!r}",
+                                      param="context_shift")
         if self.n_keep is not None:
             integer("n_keep", self.n_keep, low=0)
         if self.draft_tokens is not None:
             integer("draft_tokens", self.draft_tokens, low=0, high=MAX_DRAFT_TOKENS)
         self._check_constraint()
         if not isinstance(self.logprobs, bool):
-            raise InvalidRequestError(f"logprobs must be a bool, got {self.logprobs!r}")
+            raise InvalidRequestError(f"logprobs must be a bool, got {self.logprobs!r}", param="logprobs")
         integer("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
-            raise InvalidRequestError("top_logprobs needs logprobs=True")
+            raise InvalidRequestError("top_logprobs needs logprobs=True", param="top_logprobs")
         processors: Any = self.logits_processors
         if callable(processors):
             processors = (processors,)
         if not isinstance(processors, Sequence) or isinstance(processors, str) \
                 or not all(callable(fn) for fn in processors):
             raise InvalidRequestError(f"logits_processors must be a list of functions fn(tokens, logits), "
-                                      f"got {self.logits_processors!r}")
+                                      f"got {self.logits_processors!r}", param="logits_processors")
         object.__setattr__(self, "logits_processors", tuple(processors))
         integer("priority", self.priority, low=-PRIORITY_LIMIT, high=PRIORITY_LIMIT - 1)
         if self.reasoning_budget is not None:
@@ -177,32 +181,37 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_TOP_LOGPROBS)
         if not isinstance(self.reasoning_budget_message, str):
-            raise InvalidRequestError(f"reasoning_budget_message must be a str, got {self.reasoning_budget_message!r}")
+            raise InvalidRequestError(f"reasoning_budget_message must be a str, got {self.reasoning_budget_message!r}",
+                                      param="reasoning_budget_message")
         if not isinstance(self.prompt_progress, bool):
-            raise InvalidRequestError(f"prompt_progress must be a bool, got {self.prompt_progress!r}")
+            raise InvalidRequestError(f"prompt_progress must be a bool, got {self.prompt_progress!r}",
+                                      param="prompt_progress")
         if not isinstance(self.grammar_prefill, str):
-            raise InvalidRequestError(f"grammar_prefill must be a str, got {self.grammar_prefill!r}")
+            raise InvalidRequestError(f"grammar_prefill must be a str, got {self.grammar_prefill!r}",
+                                      param="grammar_prefill")
         if self.grammar_prefill and self.grammar is None:
-            raise InvalidRequestError("grammar_prefill needs a grammar")
+            raise InvalidRequestError("grammar_prefill needs a grammar", param="grammar_prefill")
         preserved: Any = self.preserved_tokens
         if not isinstance(preserved, Sequence) or isinstance(preserved, str) or \
                 not all(isinstance(t, str) and t for t in preserved):
-            raise InvalidRequestError(f"preserved_tokens must be a list of token texts, got {self.preserved_tokens!r}")
+            raise InvalidRequestError(f"preserved_tokens must be a list of token texts, got {self.preserved_tokens!r}",
+                                      param="preserved_tokens")
         object.__setattr__(self, "preserved_tokens", tuple(preserved))
         tags: Any = self.thinking_tags
         if not isinstance(tags, Sequence) or isinstance(tags, str) or len(tags) not in (0, 2) or \
                 not all(isinstance(t, str) and t.strip() for t in tags):
-            raise InvalidRequestError(f"thinking_tags must be (opening, closing) marker texts, got {self.thinking_tags!r}")
+            raise InvalidRequestError(f"thinking_tags must be (opening, closing) marker texts, got {self.thinking_tags!r}",
+                                      param="thinking_tags")
         object.__setattr__(self, "thinking_tags", tuple(tags))
 
     def _check_constraint(self) -> None:
         given = [name for name in ("grammar", "json_schema", "regex", "lark") if getattr(self, name) is not None]
         if len(given) > 1:
-            raise InvalidRequestError(f"give at most one constraint, got {', '.join(given)}")
+            raise InvalidRequestError(f"give at most one constraint, got {', '.join(given)}", param=given[1])
         for name in ("regex", "lark"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
+                raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}", param=name)
         schema = self.json_schema
         if schema is None:
             return
@@ -212,10 +221,10 @@ class SamplingParams:
             try:
                 schema = json.loads(schema)
             except ValueError as exc:
-                raise InvalidRequestError(f"json_schema is not valid JSON: {exc}") from None
+                raise InvalidRequestError(f"json_schema is not valid JSON: {exc}", param="json_schema") from None
         if not isinstance(schema, Mapping) and not isinstance(schema, bool):
             raise InvalidRequestError(f"json_schema must be a JSON object (a dict, its text or a Pydantic model), "
-                                      f"got {type(self.json_schema).__name__}")
+                                      f"got {type(self.json_schema).__name__}", param="json_schema")
         object.__setattr__(self, "json_schema", json.dumps(schema))  # one form from here on: JSON text
 
     @property

@@ -27,11 +27,11 @@ from aiollama.formats.chat import REASONING_FORMATS
 from aiollama.models import default_model
 from aiollama.sampling import SamplingParams
 from aiollama.server import embeddings, messages, native, responses
+from aiollama.server.bad_request import BadRequest
 from aiollama.server.cors import Cors, CorsMiddleware
 from aiollama.server.fetch import Fetcher
 from aiollama.server.generate import chat_completions, completions
 from aiollama.server.guard import Guard, Limits, load_keys
-from aiollama.server.openai_request import BadRequest
 from aiollama.server.prompt_tools import apply_template, detokenize, tokenize
 from aiollama.server.state import State, serving_engine, translate
 from aiollama.server.store import SWEEP_SECONDS, ResponseStore, Sizing
@@ -201,8 +201,8 @@ def _routes(state: State) -> list[Route]:
         route("/tokenize", "tokenize", tokenize), route("/detokenize", "detokenize", detokenize),
         route("/apply-template", "apply_template", apply_template),
         route("/v1/completions", "completions", completions),
-        route("/v1/messages", "messages", messages.create, shape=messages.error_body),
-        route("/v1/messages/count_tokens", "messages", messages.count_tokens, shape=messages.error_body),
+        route("/v1/messages", "messages", messages.create, shape=BadRequest.anthropic_body),
+        route("/v1/messages/count_tokens", "messages", messages.count_tokens, shape=BadRequest.anthropic_body),
     ]
     for prefix in ("/v1", ""):
         routes += [

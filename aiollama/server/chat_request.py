@@ -1,5 +1,5 @@
 """The chat completions body: messages, tools, the template's switches, and an assistant message
-to continue, validated into a :class:`~aiollama.server.openai_request.Request` or an OpenAI-style 400."""
+to continue, validated into a :class:`~aiollama.server.neutral_request.ChatRequest` or an OpenAI-style 400."""
 
 from __future__ import annotations
 
@@ -7,20 +7,12 @@ from typing import Any
 
 from aiollama.errors import InvalidRequestError
 from aiollama.formats.toolcalls import tool_names
-from aiollama.server.openai_request import (
-    CHAT_FIELDS,
-    MAX_TOOLS,
-    REASONING_EFFORTS,
-    REASONING_FORMATS,
-    BadRequest,
-    Request,
-    common_request,
-    integer_field,
-    json_object,
-)
+from aiollama.server.bad_request import BadRequest
+from aiollama.server.neutral_request import MAX_TOOLS, REASONING_EFFORTS, ChatRequest, checked, json_object
+from aiollama.server.openai_request import CHAT_FIELDS, REASONING_FORMATS, common_request, names_of
 
 
-def chat_request(body: Any) -> Request:
+def chat_request(body: Any) -> ChatRequest:
     """``/v1/chat/completions``: ``messages`` with string content, or text parts."""
     body = json_object(body, CHAT_FIELDS)
     request = common_request(body, default_max_tokens=None)  # until the model ends its turn
@@ -28,11 +20,12 @@ def chat_request(body: Any) -> Request:
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise BadRequest("'logprobs' must be a boolean", param="logprobs")
-    top = integer_field(body, "top_logprobs", 0, 20)
+    top = body.get("top_logprobs")
     if top is not None and not logprobs:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if logprobs:
-        request.params.update(logprobs=True, top_logprobs=top or 0)
+        request.params.update(logprobs=True, top_logprobs=0 if top is None else top)
+    checked(request.params, {**names_of(body), "top_logprobs": "top_logprobs"})
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
@@ -72,7 +65,7 @@ def chat_request(body: Any) -> Request:
     return request
 
 
-def chat_switches(body: dict[str, Any], request: Request) -> None:
+def chat_switches(body: dict[str, Any], request: ChatRequest) -> None:
     """The template's variables and switches of a chat body: ``chat_template_kwargs``,
     ``reasoning_effort``, llama-server's ``reasoning_format``, ``parallel_tool_calls``."""
     kwargs = body.get("chat_template_kwargs") or {}
@@ -93,7 +86,7 @@ def chat_switches(body: dict[str, Any], request: Request) -> None:
     request.parallel_tool_calls = parallel
 
 
-def prefill(body: dict[str, Any], request: Request) -> None:
+def prefill(body: dict[str, Any], request: ChatRequest) -> None:
     """``continue_final_message`` and ``add_generation_prompt`` (vLLM's and llama-server's): a chat
     whose last message is the assistant's is continued, as llama-server's assistant prefill."""
     messages = request.messages or []

@@ -16,8 +16,10 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from aiollama.errors import AiollamaError
+from aiollama.server.bad_request import BadRequest
 from aiollama.server.native_request import native_prompts
-from aiollama.server.openai_request import MAX_INPUTS, BadRequest, embeddings_request, json_object
+from aiollama.server.neutral_request import json_object
+from aiollama.server.openai_request import MAX_INPUTS, embeddings_request
 from aiollama.server.state import State, serving_engine, translate
 
 NATIVE_FIELDS = frozenset({"content", "input", "embd_normalize", "model", "encoding_format"})

@@ -32,13 +32,13 @@ from aiollama.server.llama_shape import (
     prompt_text,
 )
 from aiollama.server.native_request import Native, llama_fields
-from aiollama.server.openai_request import Request, completion_request, message_text
+from aiollama.server.neutral_request import ChatRequest, message_text
+from aiollama.server.openai_request import completion_request
 from aiollama.server.opening import event_stream, open_route, while_connected
 from aiollama.server.shape import ChatChoice, TextChoice, prompt_logprobs
 from aiollama.server.state import (
     State,
     check_prompt_size,
-    effort_of,
     lora_names,
     serving_engine,
     translate,
@@ -55,7 +55,7 @@ async def chat_completions(state: State, request: HttpRequest) -> Response:
     return await _serve(state, request, _with_llama_fields(state, body, chat_request(body)), chat=True)
 
 
-def _with_llama_fields(state: State, body: dict[str, Any], req: Request) -> Request:
+def _with_llama_fields(state: State, body: dict[str, Any], req: ChatRequest) -> ChatRequest:
     """``req`` with the llama.cpp fields of its body (``n_predict`` over ``max_tokens``...)."""
     req.llama = llama_fields(body, n_slots=serving_engine(state).config.n_seq_max)
     req.params.update(req.llama.params)
@@ -86,7 +86,7 @@ class _Job:
             await conv.aclose()
 
 
-def _start(state: State, req: Request, chat: bool) -> _Job:
+def _start(state: State, req: ChatRequest, chat: bool) -> _Job:
     engine = serving_engine(state)
     texts = [req.prompt] if isinstance(req.prompt, str) else [message_text(m) for m in req.messages or ()]
     check_prompt_size(state, engine, texts, engine.n_ctx)
@@ -96,8 +96,7 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
     try:
         if chat:
             assert req.messages is not None
-            effort_of(engine, req.reasoning_effort, "reasoning_effort")
-            n_prompt = root.append_chat(req.messages, **state.chat(req.chat_options()))
+            n_prompt = root.append_chat(req.messages, **state.chat(req.chat_options(engine)))
         elif req.suffix is not None:  # fill in the middle, between the prompt and the suffix
             assert req.prompt is not None
             middle = engine.infill_tokens(req.prompt, req.suffix, n_predict=req.params.get("max_tokens") or -1)
@@ -138,7 +137,7 @@ def _start(state: State, req: Request, chat: bool) -> _Job:
                 time.perf_counter(), choices, llama, [Clock() for _ in streams], verbose)
 
 
-def _verbose(state: State, engine: Engine, llama: Native, req: Request, stream: Stream,
+def _verbose(state: State, engine: Engine, llama: Native, req: ChatRequest, stream: Stream,
              conv: Conversation) -> Callable[[int, Any], dict[str, Any]]:
     """llama-server's ``__verbose`` of a choice: its native final result, with the prompt as
     evaluated and the sampling settings in force."""
@@ -216,7 +215,7 @@ async def stream_items(streams: list[Stream], started: float,
         tg.cancel_scope.cancel()
 
 
-async def _serve(state: State, request: HttpRequest, req: Request, chat: bool) -> Response:
+async def _serve(state: State, request: HttpRequest, req: ChatRequest, chat: bool) -> Response:
     job, release = await open_route(state, request, req.messages if chat else None, lambda: _start(state, req, chat))
     job.release = release
     if req.stream:
@@ -304,7 +303,7 @@ def _usage(job: _Job, completion_tokens: int) -> dict[str, Any]:
     return usage
 
 
-async def _events(job: _Job, state: State, req: Request) -> AsyncIterator[str]:
+async def _events(job: _Job, state: State, req: ChatRequest) -> AsyncIterator[str]:
     """Server-sent events. A client that disconnects cancels this generator, and with it the
     generation, within a decode step."""
     kind = "chat.completion.chunk" if job.chat else "text_completion"

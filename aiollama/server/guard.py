@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
-from aiollama.server.openai_request import BadRequest
+from aiollama.server.bad_request import BadRequest
 
 ENV_KEYS = "AIOLLAMA_API_KEY"  # one key, or several separated by commas
 

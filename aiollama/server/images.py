@@ -15,8 +15,8 @@ import anyio
 
 from aiollama import Engine, Image
 from aiollama.errors import AiollamaError
+from aiollama.server.bad_request import BadRequest
 from aiollama.server.fetch import Fetcher
-from aiollama.server.openai_request import BadRequest
 
 
 async def read_images(engine: Engine, messages: list[dict[str, Any]], fetcher: Fetcher | None) -> None:

@@ -17,19 +17,18 @@ import anyio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from aiollama import Engine, FinishReason, Stream
+from aiollama import FinishReason, Stream
 from aiollama.errors import AiollamaError
 from aiollama.formats.reply import ReplyDelta
 from aiollama.formats.toolcalls import ToolCall
 from aiollama.server.images import read_images
 from aiollama.server.messages_request import MessagesRequest, messages_request
-from aiollama.server.openai_request import BadRequest, message_text
+from aiollama.server.neutral_request import message_text
 from aiollama.server.opening import event_stream, open_route, while_connected
 from aiollama.server.state import (
     CHAT_DEFAULTS,
     State,
     check_prompt_size,
-    effort_of,
     serving_engine,
     translate,
 )
@@ -38,31 +37,12 @@ STOP_REASONS = {FinishReason.EOG: "end_turn", FinishReason.STOP: "stop_sequence"
                 FinishReason.CANCELLED: "end_turn"}
 
 
-def chat_options(engine: Engine, req: MessagesRequest) -> dict[str, Any]:
-    """What ``append_chat`` takes for a Messages body: its tools, ``thinking`` as the template's
-    thinking switch, ``output_config.effort`` as its reasoning effort, and a final assistant
-    message continued (Anthropic's prefill). Asking for no thinking from a template that has no
-    switch is an error; asking for thinking from one that has none is not: such a model simply
-    answers without a thinking block."""
-    kwargs: dict[str, Any] = {}
-    if req.thinking is not None:
-        template = engine.chat_template
-        if template.supports_thinking or template.reads("enable_thinking"):
-            kwargs["enable_thinking"] = req.thinking
-        elif req.thinking is False:
-            raise BadRequest("this model's chat template has no switch for thinking, so thinking cannot be "
-                             "disabled", param="thinking", code="unsupported_parameter")
-    return {"tools": req.tools, "tool_choice": req.tool_choice, "chat_template_kwargs": kwargs,
-            "reasoning_effort": effort_of(engine, req.effort, "output_config.effort"),
-            "continue_final_message": req.continue_final}
-
-
 async def count_tokens(state: State, request: HttpRequest) -> Response:
     """``/v1/messages/count_tokens``: the prompt tokens the same body would evaluate."""
     req = messages_request(await state.guard.read_json(request), count_only=True)
     engine = serving_engine(state)
     check_prompt_size(state, engine, [message_text(m) for m in req.messages], engine.n_ctx)
-    options = chat_options(engine, req)
+    options = req.chat_options(engine)
     if any(not isinstance(m.get("content"), str) for m in req.messages):  # pictures: count as a turn takes them
         await read_images(engine, req.messages, state.fetcher)
         conv = engine.conversation()
@@ -164,7 +144,7 @@ def _start(state: State, req: MessagesRequest) -> Reply:
     check_prompt_size(state, engine, [message_text(m) for m in req.messages], engine.n_ctx)
     conv = engine.conversation()
     try:
-        stream = conv.chat(req.messages, **state.chat(chat_options(engine, req)), **state.params(req.params, CHAT_DEFAULTS))
+        stream = conv.chat(req.messages, **state.chat(req.chat_options(engine)), **state.params(req.params, CHAT_DEFAULTS))
     except BaseException as exc:
         conv.close_nowait()
         if isinstance(exc, AiollamaError):
@@ -222,7 +202,7 @@ async def _events(reply: Reply, release: Callable[[], None]) -> AsyncIterator[st
                 yield line
         except AiollamaError as exc:
             error = translate(exc)
-            yield _event("error", error={"type": anthropic_type(error.status), "message": error.message})
+            yield _event("error", error=error.anthropic_body()["error"])
             return
         if kind is not None:
             yield _event("content_block_stop", index=index)
@@ -237,15 +217,3 @@ async def _events(reply: Reply, release: Callable[[], None]) -> AsyncIterator[st
         with anyio.CancelScope(shield=True):
             await reply.stream.aclose()
             await reply.close()
-
-
-def anthropic_type(status: int) -> str:
-    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-            503: "overloaded_error"}.get(status, "api_error")
-
-
-def error_body(exc: BadRequest) -> dict[str, Any]:
-    """Anthropic's error shape."""
-    return {"type": "error", "error": {"type": anthropic_type(exc.status), "message": exc.message}}
-

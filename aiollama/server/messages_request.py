@@ -17,16 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiollama.server.openai_request import (
-    MAX_STOP,
-    RANGES,
-    BadRequest,
-    json_object,
-    sampling_fields,
-    tool_list,
-)
+from aiollama.server.bad_request import BadRequest
+from aiollama.server.neutral_request import MAX_STOP, ChatRequest, checked, json_object, sampling_fields, tool_list
 
-ANTHROPIC_RANGES = {**RANGES, "temperature": (0.0, 1.0)}  # the Messages API's temperature is in [0, 1]
+ANTHROPIC_CEILINGS = {"temperature": 1.0}  # the Messages API's temperature is in [0, 1]
+NAMES = {"stop": "stop_sequences", "reasoning_budget": "thinking.budget_tokens", "json_schema": "output_config.format"}
 INFORMATIONAL = ("metadata", "service_tier", "inference_geo", "user_profile_id", "workspace_id")  # change nothing here
 MESSAGES_FIELDS = frozenset({
     "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
@@ -37,16 +32,11 @@ COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice",
 
 
 @dataclass
-class MessagesRequest:
-    messages: list[dict[str, Any]]
-    params: dict[str, Any] = field(default_factory=dict)
-    stream: bool = False
-    tools: list[dict[str, Any]] | None = None  # in the chat shape
-    tool_choice: Any = "auto"
-    thinking: bool | None = None  # None: as the template does by default
+class MessagesRequest(ChatRequest):
+    """The neutral request, and how a Messages reply shows its thinking."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
     show_thinking: bool = True  # False: thinking blocks come back empty (display "omitted")
-    effort: str | None = None  # for a template that reads ``reasoning_effort``
-    continue_final: bool = False  # the last message is the assistant's: the reply continues it (prefill)
 
 
 def messages_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
@@ -63,9 +53,11 @@ def messages_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
     if cache is not None and (not isinstance(cache, dict) or cache.get("type") != "ephemeral"):
         raise BadRequest("cache_control must be {'type': 'ephemeral'}", param="cache_control")
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    request = MessagesRequest(messages=messages, tools=tools, tool_choice=choice, thinking=thinking,
+                              reasoning_effort=effort, effort_param="output_config.effort",
+                              continue_final_message=prefill, show_thinking=show)
     if count_only:
-        return MessagesRequest(messages, tools=tools, tool_choice=choice, thinking=thinking, effort=effort,
-                               continue_final=prefill)
+        return request
     if body.get("speed", "standard") not in ("standard", None):
         raise BadRequest("'speed' 'fast' is not offered by this server", param="speed", code="unsupported_parameter")
     if body.get("max_tokens") is None:  # the Messages API asks for it; its value is checked once, below
@@ -73,8 +65,7 @@ def messages_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
     if body.get("service_tier", "auto") not in ("auto", "standard_only"):
         raise BadRequest("'service_tier' must be 'auto' or 'standard_only'", param="service_tier")
     stops = body.get("stop_sequences")
-    if stops is not None and (not isinstance(stops, list) or len(stops) > MAX_STOP
-                              or not all(isinstance(s, str) and s for s in stops)):
+    if stops is not None and (not isinstance(stops, list) or len(stops) > MAX_STOP):
         raise BadRequest(f"'stop_sequences' must be a list of at most {MAX_STOP} non-empty strings",
                          param="stop_sequences")
     stream = body.get("stream", False)
@@ -87,8 +78,9 @@ def messages_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
         fields["reasoning_budget"] = budget
     if schema is not None:
         fields["json_schema"] = schema
-    params = sampling_fields(fields, ANTHROPIC_RANGES)
-    return MessagesRequest(messages, params, stream, tools, choice, thinking, show, effort, prefill)
+    request.params = checked(sampling_fields(fields, ANTHROPIC_CEILINGS), NAMES)
+    request.stream = stream
+    return request
 
 
 def _text_blocks(value: Any, where: str) -> str:

@@ -21,6 +21,7 @@ from aiollama import Conversation, Engine, SamplingParams, Stream
 from aiollama.errors import AiollamaError
 from aiollama.formats.messages import IMAGE
 from aiollama.sampling import seed_for
+from aiollama.server.bad_request import BadRequest
 from aiollama.server.generate import stream_items
 from aiollama.server.llama_shape import (
     BUILD_INFO,
@@ -42,7 +43,8 @@ from aiollama.server.native_request import (
     native_prompts,
     native_request,
 )
-from aiollama.server.openai_request import MAX_PROMPTS, BadRequest, json_object
+from aiollama.server.neutral_request import json_object
+from aiollama.server.openai_request import MAX_PROMPTS
 from aiollama.server.opening import event_stream, while_connected
 from aiollama.server.state import State, lora_names, serving_engine, translate
 

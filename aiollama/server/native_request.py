@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiollama.sampling import MAX_TOP_LOGPROBS, wrap_seed
-from aiollama.server.openai_request import MAX_PROMPTS, MAX_STOP, BadRequest, integer_field, lora_list, number_field
+from aiollama.server.bad_request import BadRequest
+from aiollama.server.neutral_request import MAX_STOP, checked, integer_field, number_field
+from aiollama.server.openai_request import MAX_PROMPTS, lora_list
 
 # Samplers of llama-server's that aiollama does not have: taken at the value that turns them off
 # (the documented default), refused otherwise.
@@ -89,25 +91,16 @@ def native_request(body: dict[str, Any], *, n_slots: int, tokenize: Any) -> Nati
                              f"leave it at {off!r}", param=name, code="unsupported_parameter")
     native = llama_fields(body, n_slots=n_slots)
     params = native.params
-    temperature = number_field(body, "temperature")
-    if temperature is not None:
-        params["temperature"] = max(0.0, temperature)  # below 0: greedy
-    for name, key, low, high in (("top_p", "top_p", 0.0, 1.0), ("min_p", "min_p", 0.0, 1.0),
-                                 ("typical_p", "typical_p", 0.0, 1.0), ("repeat_penalty", "repeat_penalty", 0.0, 10.0),
-                                 ("presence_penalty", "presence_penalty", -2.0, 2.0),
-                                 ("frequency_penalty", "frequency_penalty", -2.0, 2.0)):
-        value = number_field(body, name, low, high)
+    temperature = body.get("temperature")
+    if temperature is not None:  # below 0: greedy
+        params["temperature"] = max(0.0, temperature) if isinstance(temperature, (int, float)) else temperature
+    for name in ("top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+        value = body.get(name)
         if value is not None:
-            if name in ("top_p", "typical_p", "repeat_penalty") and value == 0.0:
-                value = 1.0 if name == "repeat_penalty" else value
-                if name != "repeat_penalty":
-                    raise BadRequest(f"'{name}' must be in (0, 1]", param=name)
-            params[key] = value
+            params[name] = 1.0 if name == "repeat_penalty" and value == 0 else value  # llama-server's 0: off
     top_k = body.get("top_k")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            raise BadRequest("'top_k' must be an integer", param="top_k")
-        params["top_k"] = max(0, top_k)  # 0 or less: the whole vocabulary
+    if top_k is not None:  # 0 or less: the whole vocabulary
+        params["top_k"] = max(0, top_k) if isinstance(top_k, int) and not isinstance(top_k, bool) else top_k
     last_n = integer_field(body, "repeat_last_n", -1)
     if last_n is not None:
         params["penalty_last_n"] = last_n
@@ -164,6 +157,8 @@ def native_request(body: dict[str, Any], *, n_slots: int, tokenize: Any) -> Nati
     priority = integer_field(body, "priority", -(2**31), 2**31 - 1)  # vLLM's: lower values first
     if priority is not None:
         params["priority"] = priority
+    checked(params, {"max_tokens": "n_predict" if "n_predict" in body else "max_tokens", "top_logprobs": "n_probs",
+                     "penalty_last_n": "repeat_last_n"})
     return native
 
 

@@ -4,169 +4,44 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from aiollama.sampling import wrap_seed
+from aiollama.server.bad_request import BadRequest
+from aiollama.server.neutral_request import ChatRequest, checked, integer_field, json_object, sampling_fields
 
 MAX_N = 16
-MAX_STOP = 4
 MAX_INPUTS = 2048  # texts of one embeddings request (OpenAI's limit)
 MAX_PROMPTS = 64  # generations of one native completion request: its prompts times n_cmpl
 
 
-# llama-server's error types by status (its native endpoints answer them with the status as code)
-LLAMA_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                     501: "not_supported_error", 503: "unavailable_error"}
+OPENAI_CEILINGS = {"temperature": 2.0}  # OpenAI's own bound; every other range is SamplingParams'
+NAMES = {"top_logprobs": "logprobs"}  # a legacy completion's ``logprobs`` is its number of alternatives
 
 
-class BadRequest(Exception):
-    """A request the API refuses: its status, message, parameter and OpenAI error code; ``extra``
-    fields go into the error object (llama-server's ``n_prompt_tokens`` and ``n_ctx`` of a prompt
-    that does not fit)."""
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400,
-                 extra: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.code, self.status = message, param, code, status
-        self.extra = extra or {}
-
-    def body(self) -> dict[str, Any]:
-        """OpenAI's error object."""
-        kind = "authentication_error" if self.status == 401 else \
-            "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code,
-                          **self.extra}}
-
-    def llama_body(self) -> dict[str, Any]:
-        """llama-server's error object, for its native endpoints."""
-        kind = "exceed_context_size_error" if self.code == "context_length_exceeded" else \
-            LLAMA_ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return {"error": {"code": self.status, "message": self.message, "type": kind, **self.extra}}
-
-
-@dataclass
-class Request:
-    """One completion request: the prompt (text, token ids or chat messages), how to sample, and
-    what to answer with (log-probabilities, tool calls)."""
-
-    prompt: str | list[int] | None = None
-    messages: list[dict[str, Any]] | None = None
-    n: int = 1
-    stream: bool = False
-    include_usage: bool = False
-    obfuscate: bool = False  # stream_options.include_obfuscation: chunks padded to random lengths
-    params: dict[str, Any] = field(default_factory=dict)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = "auto"
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
-    reasoning_effort: str | None = None
-    reasoning_format: str | None = None  # None: the server's
-    parallel_tool_calls: bool | None = None
-    continue_final_message: bool = False  # the reply continues the last (assistant) message
-    cache_salt: str | None = None  # shares cached cells only with requests of the same salt
-    echo: bool = False  # legacy completions: the prompt comes back before the completion
-    prompt_logprobs: int | None = None  # vLLM's: the prompt's tokens scored, in the response
-    lora: list[tuple[str | int, float]] = field(default_factory=list)  # adapters by name or index, scales
-    defaults: dict[str, Any] = field(default_factory=dict)  # the API's own, under the server's (--temp, -n)
-    suffix: str | None = None  # legacy completions: the text after the completion (fill-in-the-middle)
-    llama: Any = None  # llama.cpp's fields (native_request.Native), set by the route
-
-    def chat_options(self) -> dict[str, Any]:
-        """What ``Conversation.append_chat`` takes besides the messages."""
-        options = {"tools": self.tools, "tool_choice": self.tool_choice, "chat_template_kwargs": self.template_kwargs,
-                   "reasoning_effort": self.reasoning_effort, "parallel_tool_calls": self.parallel_tool_calls,
-                   "continue_final_message": self.continue_final_message}
-        if self.reasoning_format is not None:
-            options["reasoning_format"] = self.reasoning_format
-        return options
-
-
-def number_field(body: dict[str, Any], name: str, low: float = -math.inf, high: float = math.inf) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise BadRequest(f"'{name}' must be a number in [{low}, {high}], got {value!r}", param=name)
-    return float(value)
-
-
-def integer_field(body: dict[str, Any], name: str, low: int, high: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise BadRequest(f"'{name}' must be an integer {bound}, got {value!r}", param=name)
-    return value
-
-
-# the numbers of the sampling fields, as OpenAI bounds them (llama-server's: top_k, min_p, repeat_penalty)
-RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
-          "frequency_penalty": (-2.0, 2.0), "top_k": (0.0, math.inf), "min_p": (0.0, 1.0), "repeat_penalty": (0.0, 10.0)}
-
-
-def sampling_fields(body: dict[str, Any], ranges: dict[str, tuple[float, float]] = RANGES) -> dict[str, Any]:
-    """The sampling parameters of a body whose fields bear their neutral names (``max_tokens``,
-    ``temperature``, ``stop``...), each checked once, in ``ranges`` (OpenAI's by default); a 400
-    names the field."""
-    params: dict[str, Any] = {}
-    max_tokens = integer_field(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = integer_field(body, "max_tokens", 1)
-    if max_tokens is not None:
-        params["max_tokens"] = max_tokens
-    for name, (low, high) in ranges.items():  # temperature... then llama-server's extensions
-        value = integer_field(body, name, int(low)) if name == "top_k" else number_field(body, name, low, high)
-        if value is not None:
-            if value == 0.0 and name in ("top_p", "repeat_penalty"):
-                raise BadRequest(f"'{name}' must be > 0", param=name)
-            params[name] = value
-    for name in ("grammar", "json_schema"):
-        value = body.get(name)
-        if value is not None:
-            if (name == "grammar" and not isinstance(value, str)) or (name == "json_schema" and not isinstance(value, dict)):
-                raise BadRequest(f"'{name}' must be a {'string' if name == 'grammar' else 'JSON object'}", param=name)
-            params[name] = value
+def openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields of an OpenAI body in their neutral names (``max_completion_tokens`` over
+    ``max_tokens``, ``response_format`` as a JSON schema), unchecked: the codec checks them once."""
+    fields = dict(body)
+    if body.get("max_completion_tokens") is not None:
+        fields["max_tokens"] = body["max_completion_tokens"]
     response_format = body.get("response_format")
     if response_format is not None:
         schema = _response_format(response_format)
         if schema is not None:
-            if "grammar" in params or "json_schema" in params:
+            if body.get("grammar") is not None or body.get("json_schema") is not None:
                 raise BadRequest("give either response_format or grammar/json_schema", param="response_format")
-            params["json_schema"] = schema
-    seed = integer_field(body, "seed", -(2**63))
-    if seed is not None:
-        params["seed"] = wrap_seed(seed)
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
-            raise BadRequest(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them",
-                             param="stop")
-        if stops:
-            params["stop"] = stops
-    priority = integer_field(body, "priority", -(2**31), 2**31 - 1)  # vLLM's extension: lower values first
-    if priority is not None:
-        params["priority"] = priority
-    budget = integer_field(body, "reasoning_budget", 0)  # tokens of thinking before the engine closes the block
-    if budget is not None:
-        params["reasoning_budget"] = budget
-    message = body.get("reasoning_budget_message")
-    if message is not None:
-        if not isinstance(message, str) or budget is None:
-            raise BadRequest("'reasoning_budget_message' must be a string, given with 'reasoning_budget'",
-                             param="reasoning_budget_message")
-        params["reasoning_budget_message"] = message
-    bias = body.get("logit_bias")
-    if bias is not None:
-        try:
-            params["logit_bias"] = {int(k): float(v) for k, v in dict(bias).items()}
-        except (TypeError, ValueError):
-            raise BadRequest("'logit_bias' must map token ids to numbers", param="logit_bias") from None
-    return params
+            fields["json_schema"] = schema
+    return sampling_fields(fields, OPENAI_CEILINGS)
+
+
+def names_of(body: dict[str, Any]) -> dict[str, str]:
+    """The body's name of each sampling parameter where it is not the neutral one."""
+    names = dict(NAMES)
+    if body.get("max_completion_tokens") is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    if body.get("response_format") is not None:
+        names["json_schema"] = "response_format"
+    return names
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -208,32 +83,8 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                                "chat_template_kwargs", "reasoning_effort", "reasoning_format", "continue_final_message",
                                "add_generation_prompt"}
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
-MAX_TOOLS = 128
-
-
-def tool_list(value: Any, convert: Callable[[int, Any], dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """A request's tools in the chat shape (None for none): a list of at most ``MAX_TOOLS``, each
-    made by ``convert(index, tool)``, which raises BadRequest for one it cannot take."""
-    if value is None or value == []:
-        return None
-    if not isinstance(value, list) or len(value) > MAX_TOOLS:
-        raise BadRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
-    return [convert(i, tool) for i, tool in enumerate(value)]
-
-
-def json_object(body: Any, known: frozenset[str]) -> dict[str, Any]:
-    """``body`` as an endpoint's object: a 400 unless it is a JSON object, and one naming the first
-    field the endpoint does not read."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise BadRequest(f"'{unknown[0]}' is not a field this server reads", param=unknown[0],
-                         code="unsupported_parameter")
-    return body
 
 
 STREAM_OPTIONS = ("include_usage", "include_obfuscation")
@@ -257,7 +108,9 @@ def stream_options(value: Any, stream: bool) -> dict[str, bool]:
     return dict(value)
 
 
-def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Request:
+def common_request(body: dict[str, Any], default_max_tokens: int | None) -> ChatRequest:
+    """The fields chat and legacy completions share; the sampling is checked by the caller, once,
+    with :func:`names_of` the body."""
     for name in UNSUPPORTED:
         value = body.get(name)
         if value not in (None, False, [], {}):
@@ -273,7 +126,7 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     options = stream_options(body.get("stream_options"), stream)
-    params = sampling_fields(body)
+    params = openai_sampling(body)
     if body.get("ignore_eos"):
         params["ignore_eos"] = True
     salt = body.get("cache_salt")
@@ -281,10 +134,10 @@ def common_request(body: dict[str, Any], default_max_tokens: int | None) -> Requ
         raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
     if body.get("cache_prompt") is False and salt is None:
         salt = uuid.uuid4().hex  # llama-server's cache_prompt false: no cached prefix is shared
-    scored = integer_field(body, "prompt_logprobs", 0, 20)
+    scored = integer_field(body, "prompt_logprobs", 0)
     if scored is not None:
         params["prompt_logprobs"] = scored
-    return Request(n=n or 1, stream=stream, include_usage=options.get("include_usage", False),
+    return ChatRequest(n=n or 1, stream=stream, include_usage=options.get("include_usage", False),
                    obfuscate=options.get("include_obfuscation", False), params=params,
                    cache_salt=salt, prompt_logprobs=scored, lora=lora_list(body.get("lora")),
                    defaults={"max_tokens": default_max_tokens})  # None: to the turn's end
@@ -307,13 +160,14 @@ def lora_list(value: Any) -> list[tuple[str | int, float]]:
     return out
 
 
-def completion_request(body: Any) -> Request:
+def completion_request(body: Any) -> ChatRequest:
     """``/v1/completions``: ``prompt`` is a string or a list of token ids."""
     body = json_object(body, COMPLETION_FIELDS)
     request = common_request(body, default_max_tokens=16)  # OpenAI's default for completions
-    logprobs = integer_field(body, "logprobs", 0, 20)  # the legacy API: how many alternatives
+    logprobs = integer_field(body, "logprobs", 0)  # the legacy API: how many alternatives
     if logprobs is not None:
         request.params.update(logprobs=True, top_logprobs=logprobs)
+    checked(request.params, names_of(body))
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise BadRequest("'echo' must be a boolean", param="echo")
@@ -338,12 +192,6 @@ def completion_request(body: Any) -> Request:
         raise BadRequest("'prompt' must be a non-empty string or list of token ids (one prompt per request)",
                          param="prompt")
     return request
-
-
-def message_text(message: dict[str, Any]) -> str:
-    """The text of a message's content (without its pictures)."""
-    content = message.get("content") or ""
-    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
 def embeddings_request(body: Any) -> tuple[Any, str]:

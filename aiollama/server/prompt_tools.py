@@ -13,8 +13,9 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from aiollama.errors import AiollamaError
+from aiollama.server.bad_request import BadRequest
 from aiollama.server.chat_request import chat_request
-from aiollama.server.openai_request import BadRequest, json_object
+from aiollama.server.neutral_request import json_object
 from aiollama.server.state import State, serving_engine, translate
 
 
@@ -71,8 +72,8 @@ async def apply_template(state: State, request: HttpRequest) -> Response:
     req = chat_request(body)
     engine = serving_engine(state)
     assert req.messages is not None
-    options = req.chat_options()
     try:
+        options = req.chat_options(engine)
         prompt = engine.render_chat(req.messages, add_generation_prompt=body.get("add_generation_prompt", True),
                                     **options)
     except AiollamaError as exc:

@@ -23,14 +23,14 @@ from starlette.responses import JSONResponse, Response
 from aiollama import Chunk, Conversation, FinishReason, SamplingParams, Stream
 from aiollama.errors import AiollamaError
 from aiollama.formats.reply import ReplyDelta
-from aiollama.server.openai_request import BadRequest, message_text
+from aiollama.server.bad_request import BadRequest
+from aiollama.server.neutral_request import message_text
 from aiollama.server.opening import event_stream, open_route, while_connected
 from aiollama.server.responses_request import ResponsesRequest, responses_request
 from aiollama.server.state import (
     CHAT_DEFAULTS,
     State,
     check_prompt_size,
-    effort_of,
     serving_engine,
     translate,
 )
@@ -120,7 +120,7 @@ class Turn:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": output, "usage": usage, "error": None,
-                "incomplete_details": incomplete, **self.req.echo}
+                "incomplete_details": incomplete, **self.req.echo_fields}
 
     def output(self) -> list[dict[str, Any]]:
         self.reader.finish()
@@ -164,8 +164,6 @@ def _start(state: State, req: ResponsesRequest) -> Turn:
     if state.responses.sizing == Sizing():  # an engine the app was given may have started after it
         state.responses.sizing = Sizing.of(engine.model_info)
     messages = req.messages
-    if req.instructions:  # this turn's instructions (a continuation does not inherit earlier ones)
-        messages = [{"role": "system", "content": req.instructions}, *messages]
     check_prompt_size(state, engine, [message_text(m) for m in messages], engine.n_ctx)
     if req.previous_response_id is not None:
         stored = state.responses.get(req.previous_response_id)
@@ -175,10 +173,9 @@ def _start(state: State, req: ResponsesRequest) -> Turn:
     else:
         conv = engine.conversation()
     try:
-        options = {"tools": req.tools, "tool_choice": req.tool_choice,
-                   "reasoning_effort": effort_of(engine, req.reasoning_effort, "reasoning.effort")}
+        options = req.chat_options(engine)
         params = state.params(req.params, CHAT_DEFAULTS)
-        req.echo.update(temperature=params.get("temperature", SamplingParams.temperature),
+        req.echo_fields.update(temperature=params.get("temperature", SamplingParams.temperature),
                         top_p=params.get("top_p", SamplingParams.top_p))  # in force, the server's defaults in
         stream = conv.chat(messages, **state.chat(options), **params)
     except BaseException as exc:

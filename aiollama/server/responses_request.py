@@ -12,13 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiollama.server.openai_request import (
+from aiollama.server.bad_request import BadRequest
+from aiollama.server.neutral_request import (
     REASONING_EFFORTS,
-    BadRequest,
-    common_request,
+    ChatRequest,
+    checked,
     json_object,
+    sampling_fields,
     tool_list,
 )
+from aiollama.server.openai_request import OPENAI_CEILINGS
 
 RESPONSE_FIELDS = frozenset({
     "model", "input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
@@ -28,17 +31,18 @@ RESPONSE_FIELDS = frozenset({
 
 
 @dataclass
-class ResponsesRequest:
-    messages: list[dict[str, Any]]
-    params: dict[str, Any]
+class ResponsesRequest(ChatRequest):
+    """The neutral request, and what only a response keeps: the turn it continues, its
+    instructions, whether it is stored, and the request fields it repeats."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
     previous_response_id: str | None = None
     instructions: str | None = None
     store: bool = True
-    stream: bool = False
-    tools: list[dict[str, Any]] | None = None  # in the chat shape
-    tool_choice: Any = "auto"
-    echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
-    reasoning_effort: str | None = None  # ``reasoning.effort``, for a template that reads one
+    echo_fields: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
+
+
+NAMES = {"max_tokens": "max_output_tokens", "json_schema": "text.format"}
 
 
 def responses_request(body: Any) -> ResponsesRequest:
@@ -50,18 +54,27 @@ def responses_request(body: Any) -> ResponsesRequest:
                              code="unsupported_parameter")
     if body.get("include") not in (None, []):
         raise BadRequest("'include' is not supported by this server", param="include", code="unsupported_parameter")
-    chat_body = {k: body[k] for k in ("temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty", "stop",
-                                      "stream") if k in body}
+    fields = {k: body[k] for k in ("temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty", "stop")
+              if k in body}  # same names
     if "max_output_tokens" in body:
-        chat_body["max_tokens"] = body["max_output_tokens"]
+        fields["max_tokens"] = body["max_output_tokens"]
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict) or not isinstance(text.get("format", {}), dict):
             raise BadRequest("'text' must be an object with a 'format' object", param="text")
         fmt = text.get("format") or {"type": "text"}
-        chat_body["response_format"] = ({"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
-                                        if fmt.get("type") == "json_schema" else {"type": fmt.get("type")})
-    common = common_request(chat_body, default_max_tokens=None)
+        if fmt.get("type") == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise BadRequest("text.format.schema must be a JSON object", param="text.format.schema")
+            fields["json_schema"] = fmt["schema"]
+        elif fmt.get("type") == "json_object":
+            fields["json_schema"] = {"type": "object"}
+        elif fmt.get("type") != "text":
+            raise BadRequest("text.format.type must be 'text', 'json_object' or 'json_schema'", param="text.format")
+    params = checked(sampling_fields(fields, OPENAI_CEILINGS), NAMES)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
     store = body.get("store", True)
     if not isinstance(store, bool):
         raise BadRequest("'store' must be a boolean", param="store")
@@ -73,6 +86,8 @@ def responses_request(body: Any) -> ResponsesRequest:
         raise BadRequest("'instructions' must be a string", param="instructions")
     effort = _effort(body.get("reasoning"))
     messages = input_messages(body.get("input"))
+    if instructions:  # this turn's instructions (a continuation does not inherit earlier ones)
+        messages = [{"role": "system", "content": instructions}, *messages]
     tools = tool_list(body.get("tools"), _tool)
     choice = body.get("tool_choice", "auto")
     if isinstance(choice, dict) and choice.get("type") == "function":
@@ -83,8 +98,9 @@ def responses_request(body: Any) -> ResponsesRequest:
             "text": text or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
             "store": store, "previous_response_id": previous, "parallel_tool_calls": True,
             "reasoning": {"effort": effort, "summary": None}}
-    return ResponsesRequest(messages, common.params, previous, instructions, store, common.stream, tools, choice, echo,
-                            effort)
+    return ResponsesRequest(messages=messages, params=params, stream=stream, tools=tools, tool_choice=choice,
+                            reasoning_effort=effort, effort_param="reasoning.effort", previous_response_id=previous,
+                            instructions=instructions, store=store, echo_fields=echo)
 
 
 def _effort(value: Any) -> str | None:

@@ -17,10 +17,10 @@ from aiollama.errors import (
     InvalidRequestError,
     Overloaded,
 )
+from aiollama.server.bad_request import BadRequest
 from aiollama.server.fetch import Fetcher
 from aiollama.server.guard import Guard
 from aiollama.server.metrics import Metrics
-from aiollama.server.openai_request import BadRequest
 from aiollama.server.store import ResponseStore
 
 # a chat reply runs to the turn's end; the sampling defaults are llama-server's (the engine's)
@@ -114,19 +114,6 @@ def check_prompt_size(state: State, engine: Engine, texts: Iterable[str], room: 
     if size > room * state.longest_piece:
         raise BadRequest(f"the prompt ({size} bytes) cannot fit the context of {room} tokens",
                          code="context_length_exceeded")
-
-
-def effort_of(engine: Engine, effort: str | None, param: str) -> str | None:
-    """A reasoning effort the model's template can honour: a 400 naming ``param`` for one it
-    cannot (its template reads no effort), never a control silently lost. "none" is always
-    honoured: it switches thinking off, or there is none."""
-    if effort is None or effort == "none":
-        return effort
-    template = engine.chat_template
-    if not template.caps.get("supports_reasoning_effort") and not template.reads("reasoning_effort"):
-        raise BadRequest("this model's chat template reads no reasoning_effort, so it cannot be honoured",
-                         param=param, code="unsupported_parameter")
-    return effort
 
 
 def lora_names(engine: Engine, chosen: list[tuple[str | int, float]]) -> dict[str, float]:

@@ -11,6 +11,7 @@ from fake_executor import ByteTokenizer, FakeExecutor
 from aiollama import Engine
 from aiollama.errors import InvalidRequestError
 from aiollama.formats.infill import infill_tokens
+from aiollama.server.bad_request import BadRequest
 from aiollama.server.cors import Cors, is_local
 from aiollama.server.native_request import (
     llama_fields,
@@ -18,7 +19,6 @@ from aiollama.server.native_request import (
     native_prompts,
     native_request,
 )
-from aiollama.server.openai_request import BadRequest
 
 
 def test_local_origins_and_the_cors_choices() -> None:
