@@ -197,6 +197,7 @@ void llama_model_free(struct llama_model * model);
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
 int32_t llama_model_n_embd(const struct llama_model * model);
+uint32_t llama_model_n_cls_out(const struct llama_model * model);
 int32_t llama_model_n_layer(const struct llama_model * model);
 int32_t llama_model_n_head(const struct llama_model * model);
 int32_t llama_model_n_head_kv(const struct llama_model * model);
@@ -271,6 +272,7 @@ bool llama_vocab_is_control(const struct llama_vocab * vocab, llama_token token)
 llama_token llama_vocab_bos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eot(const struct llama_vocab * vocab);
+llama_token llama_vocab_sep(const struct llama_vocab * vocab);
 llama_token llama_vocab_nl(const struct llama_vocab * vocab);
 llama_token llama_vocab_fim_pre(const struct llama_vocab * vocab);
 llama_token llama_vocab_fim_suf(const struct llama_vocab * vocab);
@@ -279,6 +281,7 @@ llama_token llama_vocab_fim_rep(const struct llama_vocab * vocab);
 llama_token llama_vocab_fim_sep(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_sep(const struct llama_vocab * vocab);
 int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
                        llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
 int32_t llama_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf,

@@ -31,6 +31,9 @@ _EXPORTS = {
     "Statistics": "aiollama.core.outputs",
     "TokenLogprob": "aiollama.core.outputs",
     "Engine": "aiollama.api.engine",
+    "ModelEntry": "aiollama.api.model_set",
+    "ModelSet": "aiollama.api.model_set",
+    "ModelStatus": "aiollama.api.model_set",
     "Image": "aiollama.api.images",
     "SyncEngine": "aiollama.api.blocking",
     "SamplingParams": "aiollama.sampling",
@@ -41,6 +44,9 @@ _EXPORTS = {
     "pull": "aiollama.models",
     "AiollamaError": "aiollama.errors",
     "ChatTemplateError": "aiollama.errors",
+    "ModelBusy": "aiollama.errors",
+    "ModelNotLoaded": "aiollama.errors",
+    "UnknownModel": "aiollama.errors",
     "ClosedError": "aiollama.errors",
     "ContextCreateError": "aiollama.errors",
     "ContextFull": "aiollama.errors",
@@ -112,6 +118,9 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
     from aiollama.api.images import (
         Image as Image,
     )
+    from aiollama.api.model_set import ModelEntry as ModelEntry
+    from aiollama.api.model_set import ModelSet as ModelSet
+    from aiollama.api.model_set import ModelStatus as ModelStatus
     from aiollama.config import EngineConfig as EngineConfig
     from aiollama.core.outputs import (
         FinishReason as FinishReason,
@@ -182,6 +191,7 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
     from aiollama.errors import (
         LogitsProcessorError as LogitsProcessorError,
     )
+    from aiollama.errors import ModelBusy as ModelBusy
     from aiollama.errors import (
         ModelIsADirectory as ModelIsADirectory,
     )
@@ -194,12 +204,14 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
     from aiollama.errors import (
         ModelNotFound as ModelNotFound,
     )
+    from aiollama.errors import ModelNotLoaded as ModelNotLoaded
     from aiollama.errors import (
         Overloaded as Overloaded,
     )
     from aiollama.errors import (
         StateRestoreError as StateRestoreError,
     )
+    from aiollama.errors import UnknownModel as UnknownModel
     from aiollama.errors import (
         UnsupportedModel as UnsupportedModel,
     )

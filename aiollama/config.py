@@ -19,7 +19,7 @@ DRAFT_MODEL_TOKENS = 8
 REASONING_MODES = ("auto", "on", "off")
 
 # how embeddings pool a text's hidden states (llama-server's --pooling; rank is a reranker's)
-POOLING_TYPES = ("none", "mean", "cls", "last")
+POOLING_TYPES = ("none", "mean", "cls", "last", "rank")
 
 # the KV cache element types llama.cpp can use (llama-server's --cache-type-k/-v)
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")

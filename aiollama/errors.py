@@ -13,6 +13,7 @@ already catches those keeps working::
     │   └── ConversationClosed          the conversation was closed
     ├── EngineDead                  the decode thread failed; every stream gets it  (engine gone)
     ├── WrongEventLoop              an Engine used outside its event loop (also RuntimeError)
+    ├── ModelBusy                   a model of a ModelSet is in use, and the caller would not wait
     ├── ModelLoadError              the model could not be loaded (also ValueError)
     │   ├── ModelNotFound               no file at the path (also FileNotFoundError)
     │   ├── ModelIsADirectory           the path is a folder (also IsADirectoryError)
@@ -26,6 +27,8 @@ already catches those keeps working::
     │   │   └── ModelMismatch               saved from another model or cache layout
     │   ├── GrammarError                a GBNF grammar that does not parse, or a token it rejects
     │   ├── ImageError                  an image that is no picture, or one the engine cannot take
+    │   ├── UnknownModel                a name no model of a ModelSet has (also LookupError)
+    │   ├── ModelNotLoaded              a ModelSet's model not loaded, and loading on use is off
     │   ├── InvalidTokenError           a token id outside the vocabulary
     │   ├── InvalidBatchError           native layer only: batch too large, empty, position gaps
     │   ├── InvalidSeqIdError           native layer only: seq id outside [0, n_seq_max)
@@ -85,6 +88,11 @@ class WrongEventLoop(AiollamaError, RuntimeError):
 
     An ``Engine`` belongs to the event loop that started it; plain threads use ``SyncEngine``.
     """
+
+
+class ModelBusy(AiollamaError):
+    """A model of a :class:`~aiollama.ModelSet` has requests or conversations, and its closing
+    was asked not to wait for them. Nothing was closed."""
 
 
 class ModelLoadError(AiollamaError, ValueError):
@@ -147,6 +155,15 @@ class GrammarError(InvalidRequestError):
 class ImageError(InvalidRequestError):
     """An image the engine cannot take: bytes that are no picture it can read, an engine without a
     projector (``mmproj``), or a picture of more rows than one step or image may hold."""
+
+
+class UnknownModel(InvalidRequestError, LookupError):
+    """A model name (or alias) that no model of the :class:`~aiollama.ModelSet` has."""
+
+
+class ModelNotLoaded(InvalidRequestError):
+    """A model of the :class:`~aiollama.ModelSet` that is not loaded, where loading on first use is
+    off: load it first."""
 
 
 class InvalidTokenError(InvalidRequestError):

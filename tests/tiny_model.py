@@ -339,8 +339,9 @@ def lfm2_model(cache: Path, tokenizer_source: Path) -> Path:
 
 
 def write_bert_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_embd: int = 64,
-                     n_head: int = 4, n_ff: int = 128, n_ctx_train: int = 512) -> Path:
-    """A tiny random BERT (non-causal, mean pooling): a dedicated embedding model."""
+                     n_head: int = 4, n_ff: int = 128, n_ctx_train: int = 512, rerank: bool = False) -> Path:
+    """A tiny random BERT (non-causal, mean pooling): a dedicated embedding model. With ``rerank``,
+    a reranker instead: rank pooling over a classifier head (``cls`` and ``cls.output``, one label)."""
     fields = copy_tokenizer(tokenizer_source)
     fields.pop("tokenizer.chat_template", None)
     n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
@@ -354,7 +355,9 @@ def write_bert_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_
     writer.add_head_count(n_head)
     writer.add_layer_norm_eps(1e-12)
     writer.add_causal_attention(False)
-    writer.add_pooling_type(PoolingType.MEAN)
+    writer.add_pooling_type(PoolingType.RANK if rerank else PoolingType.MEAN)
+    if rerank:
+        writer.add_classifier_output_labels(["relevant"])
     writer.add_token_type_count(2)
     writer.add_file_type(0)
     add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
@@ -382,6 +385,11 @@ def write_bert_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_
         writer.add_tensor(p + "ffn_down.bias", weight(n_embd))
         writer.add_tensor(p + "layer_output_norm.weight", ones)
         writer.add_tensor(p + "layer_output_norm.bias", zeros)
+    if rerank:
+        writer.add_tensor("cls.weight", weight(n_embd, n_embd, scale=0.5))
+        writer.add_tensor("cls.bias", weight(n_embd))
+        writer.add_tensor("cls.output.weight", weight(1, n_embd, scale=1.0))
+        writer.add_tensor("cls.output.bias", weight(1))
     finish(writer, tmp, path)
     return path
 
@@ -389,6 +397,11 @@ def write_bert_model(path: Path, tokenizer_source: Path, *, n_layer: int = 2, n_
 def bert_model(cache: Path, tokenizer_source: Path) -> Path:
     """The cached tiny BERT model, written on first use."""
     return cached(cache / "tiny-bert-v1.gguf", lambda p: write_bert_model(p, tokenizer_source))
+
+
+def rerank_model(cache: Path, tokenizer_source: Path) -> Path:
+    """The cached tiny reranker (a BERT with a classifier head, pooled by rank), written on first use."""
+    return cached(cache / "tiny-rerank-v1.gguf", lambda p: write_bert_model(p, tokenizer_source, rerank=True))
 
 
 # A Qwen-style template: tools in a system turn, calls in <tool_call> tags, tool results as

@@ -8,6 +8,7 @@ to; nothing here runs on the decode thread or calls llama.cpp, except the thread
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ class EngineClient:
         self.decode_loop = DecodeLoop(config, open_executor, self.admission)
         self.closed = False
         self._ids = itertools.count(1)
+        self.conversations: weakref.WeakSet[Any] = weakref.WeakSet()  # every Conversation made, until collected
         self._tokenizer: Tokenizer | None = None
         self._chat_template: ChatTemplate | None = None
         self._thinking: tuple[int, int] | None | bool = False  # False: not looked up yet
@@ -124,6 +126,11 @@ class EngineClient:
 
     def new_id(self) -> int:
         return next(self._ids)
+
+    def open_conversations(self) -> int:
+        """Conversations made and not closed (nor collected), counted on the callers' side: at once,
+        where the decode thread's ``live`` counts them after its next step."""
+        return sum(1 for conv in list(self.conversations) if not conv.closed)
 
     def statistics(self) -> Statistics:
         return self.decode_loop.statistics

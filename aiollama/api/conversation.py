@@ -68,6 +68,7 @@ class Conversation:
         self._closed = False
         self._last_stream: weakref.ref[Stream] | None = None
         self._turn: Rendered | None = None  # the chat turn whose reply the next stream is
+        client.conversations.add(self)
 
     def _check(self) -> None:
         self._client.check()

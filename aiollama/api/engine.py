@@ -21,10 +21,11 @@ from aiollama.api.chat_turns import ChatTurns
 from aiollama.api.client import EngineClient
 from aiollama.api.conversation import Completion, Conversation
 from aiollama.api.images import Image, pictures
+from aiollama.api.pooled import answer, embed_request, rerank_request
 from aiollama.api.portal import AsyncSink, current_portal
 from aiollama.config import EngineConfig
-from aiollama.core.commands import ClearCache, Embed, Load, NewConversation
-from aiollama.core.outputs import Delta, Item, Statistics, Vectors
+from aiollama.core.commands import ClearCache, Load, NewConversation
+from aiollama.core.outputs import Statistics
 from aiollama.errors import (
     ConversationFileError,
     EngineClosed,
@@ -145,6 +146,10 @@ class Engine:
         """The engine's counters after the latest decode step (conversations, KV cells, tokens, time)."""
         return self._client.statistics()
 
+    def open_conversations(self) -> int:
+        """The conversations of this engine not closed yet (forks included)."""
+        return 0 if self._engine_client is None else self._engine_client.open_conversations()
+
     @property
     def n_ctx(self) -> int:
         """The tokens one conversation can hold: ``n_ctx`` as given, or its share of a split cache
@@ -245,11 +250,15 @@ class Engine:
         Raises ContextFull for a text longer than the embeddings context (2048 tokens at most),
         InvalidRequestError for an empty one.
         """
-        sink = self._client.async_sink()
-        embed_request(self._client, texts, normalize, sink)
-        with anyio.CancelScope(shield=True):
-            item = await sink.get()
-        return vectors(item)
+        return await answer(self._client, lambda sink: embed_request(self._client, texts, normalize, sink))
+
+    async def rerank(self, query: str, documents: Sequence[str]) -> list[float]:
+        """Each document's relevance to ``query`` (higher: more), in order: a reranker's first
+        classifier output for the pair, built as llama-server's ``/rerank`` builds it. Needs a
+        model pooled by rank (or ``pooling="rank"``), else InvalidRequestError; ContextFull for a
+        pair longer than the embeddings context. The pairs share decodes, between steps."""
+        rows = await answer(self._client, lambda sink: rerank_request(self._client, query, documents, sink))
+        return [float(row[0]) for row in rows]
 
     async def encode_images(self, images: Sequence[Image]) -> None:
         """Encode pictures on a worker thread, so that the prompts or chats that send them next do
@@ -328,23 +337,6 @@ def load_request(client: EngineClient, data: bytes, sink: AsyncSink) -> Conversa
     conv._chat = chat
     client.send(Load(conv.id, tuple(tokens), saved.n_cached, saved.state, sink, images))
     return conv
-
-
-def embed_request(client: EngineClient, texts: str | Sequence[str] | Sequence[Sequence[int]], normalize: bool,
-                  sink: AsyncSink) -> None:
-    if isinstance(texts, str):
-        texts = [texts]
-    if not texts:
-        raise InvalidRequestError("embed() needs at least one text")
-    token_lists = tuple(tuple(client.encode(t, first=True, special=False)) for t in texts)
-    client.send(Embed(token_lists, normalize, sink))
-
-
-def vectors(item: Item) -> list[Any]:
-    if isinstance(item, Delta) and item.error is not None:
-        raise item.error
-    assert isinstance(item, Vectors)
-    return item.vectors
 
 
 def open_client(config: EngineConfig, factory: ExecutorFactory | None, owner: Any) -> tuple[EngineConfig, EngineClient]:

@@ -131,6 +131,9 @@ class Context(Handle, MemoryOps):
                                      "n_ctx): give fewer sequences or a larger batch and context")
         self.kv_unified = kv_unified
         self.embeddings = embeddings
+        # what a pooled row holds: a reranker's scores (rank pooling), else an embedding
+        self.pooled_size: int = model.n_cls_out if embeddings and lib.llama_pooling_type(ptr) == \
+            lib.LLAMA_POOLING_TYPE_RANK else model.n_embd
         self.n_vocab = self.vocab.n_tokens
         self._outputs: frozenset[int] = frozenset()
 
@@ -253,13 +256,14 @@ class Context(Handle, MemoryOps):
         return ffi.buffer(lib.llama_get_logits_ith(ptr, idx), 4 * self.n_vocab)
 
     def embedding(self, seq_id: int) -> list[float]:
-        """The pooled embedding of ``seq_id`` after the last decode of an embeddings context."""
+        """The pooled embedding of ``seq_id`` after the last decode of an embeddings context (with
+        rank pooling: the reranker's ``n_cls_out`` scores)."""
         ptr = self._get()
         self._check_seq(seq_id)
         row = lib.llama_get_embeddings_seq(ptr, seq_id)
         if row == ffi.NULL:
             raise InvalidOutputError(f"no pooled embedding for sequence {seq_id} (embeddings off, or no pooling)")
-        return list(ffi.unpack(row, self.model.n_embd))
+        return list(ffi.unpack(row, self.pooled_size))
 
     def token_embedding(self, idx: int) -> list[float]:
         """The embedding of batch row ``idx`` (an output row) after the last decode of an embeddings

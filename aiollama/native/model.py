@@ -87,6 +87,7 @@ class Model(Handle):
         self.vocab = Vocab(self)
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
         self.n_embd: int = lib.llama_model_n_embd(ptr)
+        self.n_cls_out: int = 0 if vocab_only else lib.llama_model_n_cls_out(ptr)  # a reranker's scores per input
         self.n_layer: int = lib.llama_model_n_layer(ptr)
         # heads are per layer: a vocabulary-only model has none to ask about (llama.cpp aborts)
         self.n_head: int = 0 if vocab_only else lib.llama_model_n_head(ptr)
@@ -206,6 +207,9 @@ class Vocab:
         self.eos: int = lib.llama_vocab_eos(ptr)
         self.eot: int = lib.llama_vocab_eot(ptr)
         self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(ptr))
+        self.add_eos: bool = bool(lib.llama_vocab_get_add_eos(ptr))
+        self.add_sep: bool = bool(lib.llama_vocab_get_add_sep(ptr))
+        self.sep: int = lib.llama_vocab_sep(ptr)
         # fill-in-the-middle: prefix, suffix, middle, repository and file separator tokens (-1: none)
         self.fim: dict[str, int] = {name: int(getattr(lib, f"llama_vocab_fim_{name}")(ptr))
                                     for name in ("pre", "suf", "mid", "rep", "sep")}

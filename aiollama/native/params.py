@@ -12,7 +12,7 @@ from aiollama.native.binding import lib
 from aiollama.native.threads import available_cpus
 
 POOLING = {"none": lib.LLAMA_POOLING_TYPE_NONE, "mean": lib.LLAMA_POOLING_TYPE_MEAN,
-           "cls": lib.LLAMA_POOLING_TYPE_CLS, "last": lib.LLAMA_POOLING_TYPE_LAST}
+           "cls": lib.LLAMA_POOLING_TYPE_CLS, "last": lib.LLAMA_POOLING_TYPE_LAST, "rank": lib.LLAMA_POOLING_TYPE_RANK}
 
 
 # KV cache element types (llama-server's --cache-type-k/-v): a quantized V cache needs flash attention

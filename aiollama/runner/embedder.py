@@ -28,6 +28,21 @@ def is_embedding_model(model: Model) -> bool:
     return arch is not None and model.metadata(f"{arch}.attention.causal") == "false"
 
 
+# llama.cpp's pooling types by number, as a model file's ``{arch}.pooling_type`` gives them
+POOLING_NAMES = {"0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank"}
+
+
+def embed_pooling(model: Model, pooling: str | None) -> str:
+    """The pooling ``embed()`` applies: the engine's option, else the model file's own for a
+    dedicated embedding model (or a reranker: "rank"), else mean."""
+    if pooling is not None:
+        return pooling
+    if not is_embedding_model(model):
+        return "mean"
+    arch = model.metadata("general.architecture")
+    return POOLING_NAMES.get(model.metadata(f"{arch}.pooling_type") or "", "mean")
+
+
 class Embedder:
     """An embeddings context over ``model``."""
 

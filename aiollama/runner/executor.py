@@ -38,7 +38,7 @@ from aiollama.native import (
 from aiollama.native.devices import fit, placement
 from aiollama.native.params import context_params
 from aiollama.runner.drafter import Drafter, with_drafts
-from aiollama.runner.embedder import Embedder, is_embedding_model
+from aiollama.runner.embedder import Embedder, embed_pooling, is_embedding_model
 from aiollama.runner.images import ImageRows, images_for
 from aiollama.runner.ordered import OrderedCells
 from aiollama.runner.token_choice import Sampling
@@ -207,10 +207,7 @@ class NativeExecutor:
         if self.memory == "recurrent":
             self.n_cells = self.ctx.n_ctx_seq * self.n_seq_max  # no KV cells: only seq ids are scarce
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model, (config.cache_type_k, config.cache_type_v))
-        self.model_info: Mapping[str, str | int] = {
-            "description": self.model.description(), "ftype": self.model.ftype, "n_params": self.model.n_params,
-            "size": self.model.size, "n_embd": self.model.n_embd, "n_ctx_train": self.model.n_ctx_train,
-            "n_vocab": self.vocab.n_tokens, "kv_bytes_per_cell": kv_bytes_per_cell(self.model, config)}
+        self.model_info = model_info(self.model, config, self.embeds_only, self.vocab.n_tokens)
         self.sampling = Sampling(self.ctx, self.vocab, backend=config.backend_sampling and not self.embeds_only,
                                  gpu_decodes=self._gpu_decodes)
         self._order: OrderedCells | None = None
@@ -384,3 +381,14 @@ class NativeExecutor:
         if self._embedder is not None and not self.embeds_only:
             self._embedder.close()  # the one of an embedding model goes with the handles
         self._handles.close()  # batch, context, model: the reverse of their creation
+
+
+def model_info(model: Model, config: EngineConfig, embeds_only: bool, n_vocab: int) -> Mapping[str, str | int]:
+    """What the engine tells of its model: its description, sizes, the KV bytes a cell takes, how
+    ``embed()`` pools, and what it is for: a reranker (pooled by rank), an embedding model (it
+    cannot generate), or chat."""
+    pooling = embed_pooling(model, config.pooling)
+    return {"description": model.description(), "ftype": model.ftype, "n_params": model.n_params,
+            "size": model.size, "n_embd": model.n_embd, "n_ctx_train": model.n_ctx_train, "n_vocab": n_vocab,
+            "kv_bytes_per_cell": kv_bytes_per_cell(model, config), "pooling": pooling,
+            "kind": "rerank" if pooling == "rank" else "embedding" if embeds_only else "chat"}

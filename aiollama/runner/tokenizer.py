@@ -30,6 +30,8 @@ class VocabTokenizer:
         self.n_vocab = vocab.n_tokens
         self.bos, self.eos, self.eot = vocab.bos, vocab.eos, vocab.eot
         self.add_bos = vocab.add_bos
+        self.add_eos, self.add_sep, self.sep = vocab.add_eos, vocab.add_sep, vocab.sep
+        self.rerank_template = vocab.chat_template("rerank")  # a reranker's pair, where the file has one
         self.fim = dict(vocab.fim)
         self._specials: list[SpecialToken] | None = None
         self._guidance: Any = None
