@@ -34,6 +34,7 @@ _EXPORTS = {
     "ModelEntry": "aiollama.api.model_set",
     "ModelSet": "aiollama.api.model_set",
     "ModelStatus": "aiollama.api.model_set",
+    "models_in": "aiollama.api.model_set",
     "Image": "aiollama.api.images",
     "SyncEngine": "aiollama.api.blocking",
     "SamplingParams": "aiollama.sampling",
@@ -121,6 +122,7 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
     from aiollama.api.model_set import ModelEntry as ModelEntry
     from aiollama.api.model_set import ModelSet as ModelSet
     from aiollama.api.model_set import ModelStatus as ModelStatus
+    from aiollama.api.model_set import models_in as models_in
     from aiollama.config import EngineConfig as EngineConfig
     from aiollama.core.outputs import (
         FinishReason as FinishReason,

@@ -168,8 +168,10 @@ def serve(args: argparse.Namespace) -> int:
     try:
         keys = load_keys(args.api_key, args.api_key_file)
         limits = Limits(args.max_body_mib << 20, args.max_json_depth, args.max_streams_per_key)
+        if args.models_dir is not None or args.models_preset is not None:
+            return _serve_models(args, keys, limits)
         engine, app = engine_options(args), app_options(args)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, AiollamaError) as exc:
         print(f"aiollama serve: {exc}", file=sys.stderr)
         return 2
     if args.replicas > 1:
@@ -185,6 +187,31 @@ def serve(args: argparse.Namespace) -> int:
         print(f"aiollama serve: {exc}", file=sys.stderr)
         return 2
     run_server(server, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
+    return 0
+
+
+def _serve_models(args: argparse.Namespace, keys: tuple[str, ...], limits: Any) -> int:
+    """Several models behind one URL: those of --models-dir and --models-preset."""
+    from aiollama.serve_models import model_settings
+    from aiollama.server.cors import Cors
+    from aiollama.server.router import create_router
+    from aiollama.server.run import serve as run_server
+
+    if args.model is not None or args.model_option is not None or args.replicas > 1:
+        raise ValueError("--models-dir and --models-preset serve their models: give no MODEL, and no --replicas")
+    if args.models_max < 0 or (args.models_memory_mib is not None and args.models_memory_mib <= 0):
+        raise ValueError("--models-max must be >= 0 and --models-memory-mib > 0")
+    parser = argparse.ArgumentParser(prog="aiollama serve", add_help=False)
+    add_serve(parser)
+    entries, apps = model_settings(parser, args, engine_options, app_options)
+    router = create_router(entries, model_options=apps, api_keys=keys, limits=limits,
+                           public_metrics=args.public_metrics,
+                           cors=Cors(args.cors_origins, args.cors_methods, args.cors_headers, args.cors_credentials),
+                           max_loaded=args.models_max, keep_alive=args.keep_alive, autoload=args.models_autoload,
+                           memory_bytes=None if args.models_memory_mib is None else args.models_memory_mib << 20)
+    print(f"aiollama: {len(entries)} models ({', '.join(e.name for e in entries)}) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    run_server(router, host=args.host, port=args.port, log_level=args.log_level, grace=args.grace)
     return 0
 
 

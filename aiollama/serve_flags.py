@@ -101,8 +101,6 @@ REFUSED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("server tools, MCP servers and agents are not served", (
         "--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json", "-ag", "--agent", "-no-ag",
         "--no-agent")),
-    ("a server serves one model (--replicas serves it several times)", (
-        "--models-dir", "--models-preset", "--models-max", "--models-autoload", "--no-models-autoload")),
     ("TLS is a proxy's: run the server behind one", ("--ssl-key-file", "--ssl-cert-file")),
     ("the HTTP server is uvicorn, on one event loop, at the root path", (
         "--threads-http", "--reuse-port", "--path", "--api-prefix", "-to", "--timeout", "--sse-ping-interval")),
@@ -117,7 +115,6 @@ REFUSED: tuple[tuple[str, tuple[str, ...]], ...] = (
         "--prefill-assistant", "--no-prefill-assistant")),
     ("past turns' reasoning is rendered as each template renders it", (
         "--reasoning-preserve", "--no-reasoning-preserve")),
-    ("reranking is not served yet", ("--rerank", "--reranking")),
     ("special tokens are parsed in prompt text where the API says so, and kept out of replies", ("-sp", "--special")),
     ("the model warms up with its first request", ("--warmup", "--no-warmup")),
     ("suffix-prefix-middle infill is not built; /infill uses prefix-suffix-middle", ("--spm-infill",)),
@@ -164,7 +161,25 @@ def llama_server_flags(serve: argparse.ArgumentParser) -> None:
     other = serve.add_argument_group("llama-server's flags: the server")
     other.add_argument("--pooling", choices=POOLING_TYPES, default=None,
                        help="how embeddings pool a text's hidden states (default: the model's own; mean for a "
-                            "generative model); none: a vector per token, on /embedding")
+                            "generative model); none: a vector per token, on /embedding; rank: a reranker's scores")
+    other.add_argument("--rerank", "--reranking", dest="pooling", action="store_const", const="rank",
+                       help="serve /rerank with a reranker that does not say so itself (--pooling rank)")
+    models = serve.add_argument_group("several models behind one URL (llama-server's router mode)")
+    models.add_argument("--models-dir", type=Path, default=None, metavar="DIR",
+                        help="serve each *.gguf of DIR (and each subfolder holding one), named by its file's stem; "
+                             "a request's 'model' chooses")
+    models.add_argument("--models-preset", type=Path, default=None, metavar="INI",
+                        help="models and their flags, as llama-server's INI presets ([name], model = PATH, flags "
+                             "without dashes, alias, load-on-startup, keep-alive; [*] for all)")
+    models.add_argument("--models-max", type=int, default=4, metavar="N",
+                        help="models loaded at once (0: no limit); the least recently used idle one makes room")
+    models.add_argument("--models-autoload", action=argparse.BooleanOptionalAction, default=True,
+                        help="load a model on its first request (default: on); off: /models/load first")
+    models.add_argument("--models-memory-mib", type=int, default=None, metavar="MIB",
+                        help="memory the loaded models may take together (weights and KV cells); none by default")
+    models.add_argument("--keep-alive", type=float, default=300.0, metavar="SECONDS",
+                        help="how long an idle model stays loaded (negative: forever; a request's keep_alive "
+                             "sets it for its model)")
     other.add_argument("--cors-origins", "--allowed-origins", default="localhost",
                        help="web pages that may call the server: localhost (pages served from this machine, the "
                             "default), * (any), or a comma-separated list of origins")

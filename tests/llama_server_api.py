@@ -13,6 +13,8 @@ CHAT = [{"role": "user", "content": "Hi"}]
 CHAT_BODY = {"messages": CHAT, "max_tokens": 2, "temperature": 0}
 
 # name -> (model, server options, method, path, body, headers)
+RERANK_BODY = {"query": "what is a cat", "top_n": 3,
+               "documents": ["a cat is an animal", "paris is in france", "cats meow", "The quick brown fox."]}
 REQUESTS: dict[str, tuple[str, tuple[str, ...], str, str, Any, dict[str, str] | None]] = {
     "completion": ("tiny", (), "POST", "/completion",
                    {"prompt": "Hello", "n_predict": 3, "temperature": 0, "n_probs": 2, "return_tokens": True}, None),
@@ -40,6 +42,9 @@ REQUESTS: dict[str, tuple[str, tuple[str, ...], str, str, Any, dict[str, str] | 
                   {"Authorization": "Bearer wrong"}),
     "context_overflow": ("tiny", (), "POST", "/v1/chat/completions",
                          {"messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 2}, None),
+    "rerank": ("rerank", ("--reranking",), "POST", "/v1/rerank", RERANK_BODY, None),
+    "rerank_tei": ("rerank", ("--reranking",), "POST", "/rerank",
+                   {"query": RERANK_BODY["query"], "texts": RERANK_BODY["documents"][:2], "return_text": True}, None),
 }
 
 # The values compared besides the shapes, where both engines must agree (the same model and greedy
@@ -62,12 +67,15 @@ VALUES: dict[str, tuple[str, ...]] = {
     "chat_verbose": ("__verbose/prompt", "__verbose/tokens_evaluated"),
     "wrong_key": ("error/type",),
     "context_overflow": ("error/n_prompt_tokens", "error/n_ctx"),
+    "rerank": ("results/0/index", "results/0/relevance_score", "results/1/index", "results/1/relevance_score",
+               "results/2/index", "results/2/relevance_score", "usage/prompt_tokens"),
+    "rerank_tei": ("0/index", "0/score", "0/text", "1/score"),
 }
 
 # The answers of llama-server's own endpoints must have its fields exactly; those of the OpenAI
 # routes may have more (OpenAI's own: ``param`` in an error, ``logprobs`` in a choice...).
 NATIVE = ("completion", "completions_mixed_prompt", "completion_stream", "infill", "embedding",
-          "embedding_per_token", "props", "tokenize", "health")
+          "embedding_per_token", "props", "tokenize", "health", "rerank", "rerank_tei")
 # Where the shapes differ by design (docs/llama-server.md): per request, the paths whose types may.
 # An OpenAI route's error code is OpenAI's string code, where llama-server repeats the status; a
 # chat stream's first delta has OpenAI's empty content, where llama-server's has null.

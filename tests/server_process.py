@@ -21,9 +21,10 @@ TIMEOUT = 60
 
 
 class Server:
-    """``aiollama serve MODEL`` (or another command serving on ``--port``) in a process of its own."""
+    """``aiollama serve MODEL`` (or another command serving on ``--port``; None: no MODEL, as a
+    server of several models) in a process of its own."""
 
-    def __init__(self, model: Path, *options: str, command: tuple[str, ...] = ("-m", "aiollama", "serve"),
+    def __init__(self, model: Path | None, *options: str, command: tuple[str, ...] = ("-m", "aiollama", "serve"),
                  health: str = "/health", startup: float = TIMEOUT) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -33,7 +34,7 @@ class Server:
         # logs then blocks writing to it, event loop and all
         self._log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            [sys.executable, *command, str(model), "--port", str(self.port), *options],
+            [sys.executable, *command, *([] if model is None else [str(model)]), "--port", str(self.port), *options],
             stdout=self._log, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir())
         deadline = time.monotonic() + startup
         while True:

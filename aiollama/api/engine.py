@@ -21,7 +21,7 @@ from aiollama.api.chat_turns import ChatTurns
 from aiollama.api.client import EngineClient
 from aiollama.api.conversation import Completion, Conversation
 from aiollama.api.images import Image, pictures
-from aiollama.api.pooled import answer, embed_request, rerank_request
+from aiollama.api.pooled import answer, embed_request, pair_tokens, reply, rerank_request
 from aiollama.api.portal import AsyncSink, current_portal
 from aiollama.config import EngineConfig
 from aiollama.core.commands import ClearCache, Load, NewConversation
@@ -260,6 +260,10 @@ class Engine:
         rows = await answer(self._client, lambda sink: rerank_request(self._client, query, documents, sink))
         return [float(row[0]) for row in rows]
 
+    def rerank_tokens(self, query: str, document: str) -> list[int]:
+        """The tokens :meth:`rerank` scores for one pair (their count is what it costs)."""
+        return pair_tokens(self._client, query, document)
+
     async def encode_images(self, images: Sequence[Image]) -> None:
         """Encode pictures on a worker thread, so that the prompts or chats that send them next do
         not encode them on the event loop. Raises ImageError as a prompt with them would."""
@@ -270,10 +274,7 @@ class Engine:
     async def clear_cache(self) -> None:
         """Drop the prefix cache: what closed conversations left in the KV cache, and every state
         parked in host memory. Conversations still open keep theirs."""
-        sink = self._client.async_sink()
-        self._client.send(ClearCache(sink))
-        with anyio.CancelScope(shield=True):
-            await sink.get()
+        await reply(self._client, lambda sink: self._client.send(ClearCache(sink)))
 
     async def load(self, path: str | os.PathLike[str]) -> Conversation:
         """A conversation saved with ``Conversation.save``: its tokens, its chat, and its KV cells
@@ -285,12 +286,10 @@ class Engine:
             OSError: the file cannot be read.
         Nothing changes in the engine when it raises.
         """
-        sink = self._client.async_sink()
         data = await anyio.to_thread.run_sync(_read_file, path)
-        conv = load_request(self._client, data, sink)
-        with anyio.CancelScope(shield=True):
-            await sink.get()
-        return conv
+        convs: list[Conversation] = []
+        await reply(self._client, lambda sink: convs.append(load_request(self._client, data, sink)))
+        return convs[0]
 
     async def generate_parallel(self, prompts: Sequence[str | Sequence[int]], **params: Any) -> list[Completion]:
         """One completion per prompt, in order, generated in the same batches. With a ``seed``,

@@ -53,7 +53,8 @@ class ModelStatus:
     """Where one model of a set stands. ``state`` is "unloaded", "loading" or "loaded";
     ``kind`` ("chat", "embedding" or "rerank") is known once it has loaded; ``bytes`` is its
     estimate before that, and what it took after; ``users`` counts uses, streams and
-    conversations; ``expires_in`` is the seconds it has left while idle (None: not counting)."""
+    conversations; ``expires_in`` is the seconds it has left while idle (None: not counting);
+    ``load_seconds`` what its last load took, and ``loads`` how often it was loaded."""
 
     name: str
     aliases: tuple[str, ...]
@@ -64,6 +65,7 @@ class ModelStatus:
     users: int
     expires_in: float | None
     load_seconds: float | None
+    loads: int
 
 
 @dataclass
@@ -77,6 +79,7 @@ class _Slot:
     keep_alive: float | None = None  # the last use's, over the entry's
     measured: int | None = None  # bytes the loaded engine took
     load_seconds: float | None = None
+    loads: int = 0
 
 
 def engine_bytes(engine: Engine) -> int:
@@ -138,6 +141,10 @@ class ModelSet:
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
         self._tg = None
+        await self.close_all()
+
+    async def close_all(self) -> None:
+        """Close every loaded engine now, in use or not (its streams end with EngineClosed)."""
         with anyio.CancelScope(shield=True):
             for slot in self._slots.values():
                 await self._close(slot)
@@ -167,7 +174,7 @@ class ModelSet:
             expires = max(0.0, slot.last_used + keep - now) if engine is not None and not users and keep >= 0 else None
             out.append(ModelStatus(slot.entry.name, slot.entry.aliases, slot.entry.path, state,
                                    engine_kind(engine) if engine is not None else None, self._bytes(slot), users,
-                                   expires, slot.load_seconds))
+                                   expires, slot.load_seconds, slot.loads))
         return out
 
     @asynccontextmanager
@@ -198,17 +205,18 @@ class ModelSet:
             return engine
 
     async def unload(self, name: str, *, wait: bool = True) -> bool:
-        """Close the model's engine. While it is in use (uses, streams, conversations) this waits
-        for them to end, or with ``wait=False`` raises ModelBusy. False if it was not loaded."""
+        """Close the model's engine. While it is in use (uses, streams, and conversations where they
+        hold it) this waits for them to end, or with ``wait=False`` raises ModelBusy. False if it
+        was not loaded."""
         slot = self._slots[self.entry(name).name]
         while slot.loading is not None:
             await slot.loading.wait()
         if slot.engine is None:
             return False
-        while self._users(slot, conversations=True):
+        while self._users(slot):
             if not wait:
-                raise ModelBusy(f"model {slot.entry.name!r} is in use ({self._users(slot, conversations=True)} "
-                                "uses, streams or conversations)")
+                raise ModelBusy(f"model {slot.entry.name!r} is in use ({self._users(slot)} uses, streams or "
+                                "conversations)")
             await anyio.sleep(0.05)
         await self._close(slot)
         return True
@@ -229,7 +237,7 @@ class ModelSet:
             started = time.perf_counter()
             engine = self._opener(slot.entry)
             await engine.start()
-            slot.load_seconds = time.perf_counter() - started
+            slot.load_seconds, slot.loads = time.perf_counter() - started, slot.loads + 1
             slot.engine, slot.measured, slot.last_used = engine, engine_bytes(engine), time.monotonic()
             return engine
         except BaseException as exc:
@@ -274,7 +282,7 @@ class ModelSet:
         with anyio.CancelScope(shield=True):
             await engine.aclose()
 
-    def _users(self, slot: _Slot, *, conversations: bool | None = None) -> int:
+    def _users(self, slot: _Slot) -> int:
         """What holds the model: uses, running or queued streams, and (where they hold it) open
         conversations."""
         engine = slot.engine
@@ -282,7 +290,7 @@ class ModelSet:
             return slot.uses
         stats = engine.statistics()
         streams = stats.active + stats.queued
-        if self.conversations_hold if conversations is None else conversations:
+        if self.conversations_hold:
             return slot.uses + max(streams, engine.open_conversations())
         return slot.uses + streams
 

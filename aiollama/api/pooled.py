@@ -1,4 +1,5 @@
-"""Requests answered with pooled rows: embeddings, and a reranker's scores."""
+"""Requests answered between the decode steps: pooled rows (embeddings, and a reranker's scores),
+and how a caller waits for such an answer."""
 
 from __future__ import annotations
 
@@ -31,9 +32,14 @@ def rerank_request(client: EngineClient, query: Any, documents: Any, sink: Async
     if client.model_info.get("pooling") != "rank":
         raise InvalidRequestError("this model does not rerank: it needs a reranker (a model pooled by rank), "
                                   "or the engine's pooling='rank'", param="model")
+    client.send(Embed(tuple(tuple(pair_tokens(client, query, doc)) for doc in docs), False, sink))
+
+
+def pair_tokens(client: EngineClient, query: str, document: str) -> list[int]:
+    """The tokens a reranker scores for one (query, document) pair."""
+    query, [document] = check_pairs(query, [document])
     tokenizer: Any = client.tokenizer  # the model's own: it has the reranker's special tokens and template
-    template = getattr(tokenizer, "rerank_template", None)
-    client.send(Embed(tuple(tuple(rerank_tokens(tokenizer, query, doc, template)) for doc in docs), False, sink))
+    return rerank_tokens(tokenizer, query, document, getattr(tokenizer, "rerank_template", None))
 
 
 def vectors(item: Item) -> list[Any]:
@@ -43,11 +49,16 @@ def vectors(item: Item) -> list[Any]:
     return item.vectors
 
 
-async def answer(client: EngineClient, request: Callable[[AsyncSink], None]) -> list[Any]:
-    """Send ``request`` (it fills a sink) and wait for its rows: the decode thread answers between
-    steps, so the wait is shielded (the rows are computed anyway)."""
+async def reply(client: EngineClient, request: Callable[[AsyncSink], Any]) -> Item:
+    """Send ``request`` (it gives the decode thread a sink) and wait for the answer: the decode
+    thread answers between steps, so the wait is shielded (the work is done anyway)."""
     sink = client.async_sink()
     request(sink)
     with anyio.CancelScope(shield=True):
         item = await sink.get()
-    return vectors(item)
+    return item
+
+
+async def answer(client: EngineClient, request: Callable[[AsyncSink], Any]) -> list[Any]:
+    """:func:`reply`'s rows (embeddings, or a reranker's scores)."""
+    return vectors(await reply(client, request))

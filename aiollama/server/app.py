@@ -26,7 +26,7 @@ from aiollama.errors import AiollamaError
 from aiollama.formats.chat import REASONING_FORMATS
 from aiollama.models import default_model
 from aiollama.sampling import SamplingParams
-from aiollama.server import embeddings, messages, native, responses
+from aiollama.server import embeddings, messages, native, rerank, responses
 from aiollama.server.bad_request import BadRequest
 from aiollama.server.cors import Cors, CorsMiddleware
 from aiollama.server.fetch import Fetcher
@@ -43,15 +43,15 @@ NOT_SERVED: tuple[tuple[tuple[str, ...], tuple[str, ...], str], ...] = (
      "there are no slots here: every request is a conversation of its own, and all share one prefix cache"),
     (("GET", "POST"), ("/lora-adapters",),
      "adapters are loaded with --lora and chosen by each request's 'lora' field, with its scale"),
-    (("POST",), ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"), "reranking is not served yet"),
     (("POST",), ("/audio/transcriptions", "/v1/audio/transcriptions"), "audio models are not served"),
     (("POST",), ("/v1/chat/completions/control",), "a reply's reasoning is ended by its reasoning_budget"),
     (("POST",), ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens", "/responses/input_tokens",
                  "/v1/responses/input_tokens"), "/apply-template gives a chat request's prompt, /tokenize its tokens"),
     (("GET", "POST", "DELETE"), ("/v1/stream", "/v1/streams/lookup"),
      "streams are not kept for a client to come back to"),
-    (("POST", "GET", "DELETE"), ("/models/load", "/models/unload", "/models/sse"),
-     "a server serves one model (--replicas serves it several times)"),
+    (("POST", "GET", "DELETE"), ("/models/load", "/models/unload"),
+     "this server serves one model: --models-dir or --models-preset serves several, loaded and unloaded here"),
+    (("GET",), ("/models/sse",), "model loading is not streamed as events: GET /v1/models gives each model's state"),
     (("POST",), ("/v1/systemone",), "not served"),
     (("GET", "POST"), ("/cors-proxy", "/tools"), "server tools and the CORS proxy of llama-server's web UI are not served"),
 )
@@ -213,6 +213,7 @@ def _routes(state: State) -> list[Route]:
             route(f"{prefix}/responses/{{response_id}}", "responses", responses.delete, "DELETE"),
         ]
     routes.append(route("/v1/embeddings", "embeddings", embeddings.openai_route))
+    routes += [route(path, "rerank", rerank.route) for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")]
     for methods, paths, reason in NOT_SERVED:
         for path in paths:
             routes.append(Route(path, _endpoint(state, "not_served", _refuse(reason), llama), methods=list(methods)))

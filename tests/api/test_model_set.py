@@ -12,8 +12,7 @@ import pytest
 from tiny_model import bert_model, rerank_model
 
 import aiollama
-from aiollama import Engine, ModelBusy, ModelEntry, ModelNotLoaded, ModelSet, Overloaded, UnknownModel
-from aiollama.api.model_set import models_in
+from aiollama import Engine, ModelBusy, ModelEntry, ModelNotLoaded, ModelSet, Overloaded, UnknownModel, models_in
 
 pytestmark = pytest.mark.anyio
 

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from llama_server_api import REQUESTS, VALUES, call, events_shape, shape, value_at  # noqa: E402
-from tiny_model import fim_model, tiny_model  # noqa: E402
+from tiny_model import fim_model, rerank_model, tiny_model  # noqa: E402
 
 
 def free_port() -> int:
@@ -74,7 +74,8 @@ def main() -> int:
     args = parser.parse_args()
     (HERE / "llama_server_flags.txt").write_text("\n".join(flag_rows(args.readme)) + "\n", encoding="utf-8")
     cache = Path.home() / ".cache" / "aiollama" / "test-models"
-    models = {"tiny": tiny_model(cache, args.smollm2), "fim": fim_model(cache, args.smollm2)}
+    models = {"tiny": tiny_model(cache, args.smollm2), "fim": fim_model(cache, args.smollm2),
+              "rerank": rerank_model(cache, args.smollm2)}
     out: dict[str, Any] = {}
     for name, (model, options, method, path, body, headers) in REQUESTS.items():
         proc, port = serve(args.server, models[model], *options)
