@@ -109,6 +109,7 @@ struct llama_model_params {
     bool vocab_only;
     bool check_tensors;
     bool use_extra_bufts;
+    bool no_alloc;
     ...;
 };
 
@@ -424,6 +425,8 @@ void aiollama_chat_parser_free(struct aiollama_chat_parser * parser);
 char * aiollama_chat_parse(const struct aiollama_chat_parser * parser, const char * text, size_t n_text,
                            bool partial, char ** error);
 void aiollama_chat_string_free(char * text);
+int32_t aiollama_memory_breakdown(const struct llama_context * ctx, const char ** names, uint64_t * model,
+                                  uint64_t * context, uint64_t * compute, int32_t capacity);
 
 /* helpers compiled into this module (see HELPERS) */
 bool aiollama_abort_cb(void * data);

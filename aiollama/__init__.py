@@ -35,6 +35,8 @@ _EXPORTS = {
     "ModelSet": "aiollama.api.model_set",
     "ModelStatus": "aiollama.api.model_set",
     "models_in": "aiollama.api.model_set",
+    "Plan": "aiollama.api.plan",
+    "plan": "aiollama.api.plan",
     "Image": "aiollama.api.images",
     "SyncEngine": "aiollama.api.blocking",
     "SamplingParams": "aiollama.sampling",
@@ -123,6 +125,8 @@ if TYPE_CHECKING:  # tests/test_layers.py checks that this block and _EXPORTS ag
     from aiollama.api.model_set import ModelSet as ModelSet
     from aiollama.api.model_set import ModelStatus as ModelStatus
     from aiollama.api.model_set import models_in as models_in
+    from aiollama.api.plan import Plan as Plan
+    from aiollama.api.plan import plan as plan
     from aiollama.config import EngineConfig as EngineConfig
     from aiollama.core.outputs import (
         FinishReason as FinishReason,

@@ -1,7 +1,8 @@
-"""The ``aiollama`` command: run, serve, bench, pull.
+"""The ``aiollama`` command: run, serve, plan, bench, pull.
 
     aiollama run [MODEL] PROMPT...     stream the prompts side by side, with live tokens/s and batch use
     aiollama serve [MODEL]             the OpenAI-compatible server
+    aiollama plan [MODEL] [FLAGS]      what serve with those flags would take, per device, before loading
     aiollama bench [ARGS...]           the benchmarks of a source checkout (benchmarks/run.py)
     aiollama pull                      fetch the default model into the cache
 
@@ -20,6 +21,7 @@ import anyio
 
 from aiollama import EngineConfig
 from aiollama.errors import AiollamaError
+from aiollama.plan_command import add_plan, run_plan
 from aiollama.serve_command import add_serve, layers, serve
 
 
@@ -91,6 +93,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--n-gpu-layers", type=layers, default=EngineConfig.n_gpu_layers,
                      help="layers on the GPU: auto (as many as fit), N, or -1 for all (default: auto)")
     add_serve(sub.add_parser("serve", help="the OpenAI-compatible server"))
+    add_plan(sub.add_parser("plan", help="what a model and its flags will take, per device, before loading"))
 
 
     bench = sub.add_parser("bench", help="the benchmarks (from a source checkout)")
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             return anyio.run(_run, args)
         if args.command == "serve":
             return serve(args)
+        if args.command == "plan":
+            return run_plan(args)
         if args.command == "bench":
             return _bench(args)
         return _pull(args)

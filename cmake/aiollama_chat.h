@@ -15,12 +15,14 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 struct llama_model;
+struct llama_context;
 struct aiollama_chat;
 struct aiollama_chat_parser;
 
@@ -53,6 +55,13 @@ char * aiollama_chat_parse(const struct aiollama_chat_parser * parser, const cha
                            bool partial, char ** error);
 
 void aiollama_chat_string_free(char * text);
+
+/* What ctx holds per buffer type, as llama.cpp accounts it: for each of up to capacity buffer
+ * types, its name and the bytes of the model's weights, the context's memory (KV cells,
+ * recurrent states) and its compute buffers. Returns how many buffer types there are (-1 on an
+ * error). With a model loaded with no_alloc, the sizes are what the allocations would take. */
+int32_t aiollama_memory_breakdown(const struct llama_context * ctx, const char ** names, uint64_t * model,
+                                  uint64_t * context, uint64_t * compute, int32_t capacity);
 
 #ifdef __cplusplus
 }

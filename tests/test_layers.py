@@ -17,7 +17,7 @@ PACKAGE = Path(aiollama.__file__).resolve().parent
 # everything stands on; "face" the package's lazy public namespace; the services use only it.
 BASE = {"aiollama._validate", "aiollama.errors", "aiollama.models", "aiollama.config", "aiollama.sampling"}
 SERVICES = {"aiollama.cli", "aiollama.serve_command", "aiollama.serve_flags", "aiollama.serve_models",
-            "aiollama.live", "aiollama.ray", "aiollama.__main__", "aiollama.server"}
+            "aiollama.plan_command", "aiollama.live", "aiollama.ray", "aiollama.__main__", "aiollama.server"}
 RULES: dict[str, set[str]] = {
     "base": {"base"},
     "formats": {"base"},

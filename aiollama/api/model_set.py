@@ -5,7 +5,7 @@ A :class:`ModelSet` holds :class:`ModelEntry` values (a name, a GGUF file, the e
 aliases) and opens each one's engine when it is first used. Memory stays bounded:
 
 - at most ``max_loaded`` engines at once, and at most ``memory_bytes`` of them together (each
-  counted by its file's size until it has loaded, then by its weights and KV cells);
+  counted by its plan, :func:`aiollama.plan`, until it has loaded, then by what it holds);
 - to make room, the least recently used idle model is closed first;
 - a model idle for its ``keep_alive`` seconds is closed (per model, or per use as Ollama's
   ``keep_alive``: negative keeps it loaded, 0 closes it as soon as it is idle);
@@ -30,7 +30,8 @@ from typing import Any
 import anyio
 
 from aiollama.api.engine import Engine
-from aiollama.errors import ModelBusy, ModelNotLoaded, Overloaded, UnknownModel
+from aiollama.api.plan import plan
+from aiollama.errors import AiollamaError, ModelBusy, ModelNotLoaded, Overloaded, UnknownModel
 
 REAP_SECONDS = 0.25  # how often idle models are looked for
 
@@ -83,9 +84,9 @@ class _Slot:
 
 
 def engine_bytes(engine: Engine) -> int:
-    """What a loaded engine holds: its weights and its KV cells."""
+    """What a loaded engine holds, as llama.cpp accounts it: weights, memory, compute buffers."""
     info = engine.model_info
-    return int(info.get("size", 0)) + int(info.get("kv_bytes_per_cell", 0)) * engine.n_ctx
+    return sum(int(info.get(key, 0)) for key in ("weights_bytes", "memory_bytes", "compute_bytes"))
 
 
 def engine_kind(engine: Engine) -> str:
@@ -124,7 +125,7 @@ class ModelSet:
         self._opener = opener or (lambda entry: Engine(entry.path, **entry.options))
         self._lock = anyio.Lock()
         self._tg: anyio.abc.TaskGroup | None = None
-        self.estimate: Callable[[ModelEntry], int] = _file_bytes
+        self._planned: dict[str, int] = {}
 
     async def __aenter__(self) -> ModelSet:
         self._tg = anyio.create_task_group()
@@ -233,6 +234,8 @@ class ModelSet:
         slot.loading, slot.error = anyio.Event(), None
         try:
             async with self._lock:
+                if self.memory_bytes is not None and slot.measured is None and slot.entry.name not in self._planned:
+                    self._planned[slot.entry.name] = await anyio.to_thread.run_sync(_planned_bytes, slot.entry)
                 await self._make_room(slot)
             started = time.perf_counter()
             engine = self._opener(slot.entry)
@@ -301,7 +304,18 @@ class ModelSet:
         return self.keep_alive
 
     def _bytes(self, slot: _Slot) -> int:
-        return slot.measured if slot.measured is not None else self.estimate(slot.entry)
+        if slot.measured is not None:
+            return slot.measured
+        return self._planned.get(slot.entry.name) or _file_bytes(slot.entry)
+
+
+def _planned_bytes(entry: ModelEntry) -> int:
+    """The bytes an engine of ``entry`` will hold (its plan); its file's size where it cannot be
+    planned (the load will then say why)."""
+    try:
+        return plan(entry.path, **entry.options).total_bytes
+    except (AiollamaError, OSError, ValueError):
+        return _file_bytes(entry)
 
 
 def _file_bytes(entry: ModelEntry) -> int:

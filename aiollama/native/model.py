@@ -62,6 +62,7 @@ class Model(Handle):
         use_mmap: bool = True,
         repack: bool = True,
         fitted: Fitted | None = None,
+        no_alloc: bool = False,
     ) -> None:
         self.path = os.fspath(path)
         integer("n_gpu_layers", n_gpu_layers, low=-1)
@@ -73,7 +74,9 @@ class Model(Handle):
         self._fitted = fitted
         self.n_gpu_layers: int = params.n_gpu_layers
         params.vocab_only = vocab_only
-        params.load_mode = lib.LLAMA_LOAD_MODE_AUTO if use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        params.no_alloc = no_alloc  # metadata only: a context over it simulates its allocations (a plan)
+        # a plan maps nothing (llama.cpp's fitting loads the same way)
+        params.load_mode = lib.LLAMA_LOAD_MODE_AUTO if use_mmap and not no_alloc else lib.LLAMA_LOAD_MODE_NONE
         params.use_extra_bufts = repack  # repacked weights run rows in groups of 4 (batch-shape dependent)
         clear_recent_errors()
         ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)

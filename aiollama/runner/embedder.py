@@ -43,18 +43,24 @@ def embed_pooling(model: Model, pooling: str | None) -> str:
     return POOLING_NAMES.get(model.metadata(f"{arch}.pooling_type") or "", "mean")
 
 
+def embedder_options(model: Model, n_threads: int | None, pooling: str | None) -> dict[str, Any]:
+    """The embeddings context of ``model`` (what a plan simulates for an embedding model)."""
+    size = min(MAX_EMBED_TOKENS, model.n_ctx_train or MAX_EMBED_TOKENS)
+    if pooling is None:
+        pooling = None if is_embedding_model(model) else "mean"
+    return {"n_ctx": size, "n_batch": size, "n_ubatch": size, "n_seq_max": MAX_TEXTS_PER_DECODE,
+            "n_threads": n_threads, "embeddings": True, "pooling": pooling}
+
+
 class Embedder:
     """An embeddings context over ``model``."""
 
     def __init__(self, model: Model, *, n_threads: int | None, pooling: str | None = None) -> None:
-        self.size = min(MAX_EMBED_TOKENS, model.n_ctx_train or MAX_EMBED_TOKENS)
-        if pooling is None:
-            pooling = None if is_embedding_model(model) else "mean"
-        self.per_token = pooling == "none"
+        options = embedder_options(model, n_threads, pooling)
+        self.size = options["n_ctx"]
+        self.per_token = options["pooling"] == "none"
         with contextlib.ExitStack() as stack:
-            self.ctx: Context = stack.enter_context(Context(
-                model, n_ctx=self.size, n_batch=self.size, n_ubatch=self.size, n_seq_max=MAX_TEXTS_PER_DECODE,
-                n_threads=n_threads, embeddings=True, pooling=pooling))
+            self.ctx: Context = stack.enter_context(Context(model, **options))
             self.batch: Batch = stack.enter_context(Batch(self.size))
             self._handles = stack.pop_all()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from aiollama._validate import MAX_SEQ
-from aiollama.config import CACHE_TYPE_BYTES, EngineConfig
+from aiollama.config import EngineConfig
 from aiollama.errors import (
     DecodeError,
     InvalidRequestError,
@@ -38,9 +38,10 @@ from aiollama.native import (
 from aiollama.native.devices import fit, placement
 from aiollama.native.params import context_params
 from aiollama.runner.drafter import Drafter, with_drafts
-from aiollama.runner.embedder import Embedder, embed_pooling, is_embedding_model
+from aiollama.runner.embedder import Embedder, is_embedding_model
 from aiollama.runner.images import ImageRows, images_for
 from aiollama.runner.ordered import OrderedCells
+from aiollama.runner.shape import context_options, model_info
 from aiollama.runner.token_choice import Sampling
 from aiollama.runner.tokenizer import VocabTokenizer
 from aiollama.sampling import SamplingParams
@@ -61,20 +62,20 @@ from aiollama.sched.step import (
 )
 
 
-def load_model(config: EngineConfig, path: Path) -> Model:
+def load_model(config: EngineConfig, path: Path, *, no_alloc: bool = False) -> Model:
     """The model, its layers on the GPU as ``config.n_gpu_layers`` says: "auto" fits as many as
     leave room for a context of the configured shape (none without a GPU, and none in the
-    deterministic mode, which runs on the CPU)."""
+    deterministic mode, which runs on the CPU). ``no_alloc``: its metadata only, for a plan."""
     if config.n_gpu_layers != "auto":
-        return Model(path, n_gpu_layers=int(config.n_gpu_layers), repack=not config.deterministic)
+        return Model(path, n_gpu_layers=int(config.n_gpu_layers), repack=not config.deterministic, no_alloc=no_alloc)
     if config.deterministic:
-        return Model(path, n_gpu_layers=0, repack=False)
+        return Model(path, n_gpu_layers=0, repack=False, no_alloc=no_alloc)
     # the seq ids are known once the vocabulary is: their output rows weigh little beside the cache
     shape = context_params(n_ctx=config.n_ctx, n_batch=config.n_batch,
                            n_seq_max=min(MAX_SEQ, config.n_seq_max + (config.cache_seq_ids or 32)),
                            n_threads=config.n_threads, kv_unified=config.kv_unified, flash_attn=config.flash_attn,
                            cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v)
-    return Model(path, fitted=fit(path, shape))
+    return Model(path, fitted=fit(path, shape), no_alloc=no_alloc)
 
 
 Applied = dict[str, Any]  # what a plan's KV operations gave: parked, restored and checkpoints (StepResult's fields)
@@ -91,16 +92,6 @@ def fingerprint(model: Model, cache_types: tuple[str, str] = ("f16", "f16")) -> 
             "n_vocab": vocab.n_tokens, "n_embd": model.n_embd, "n_layer": model.n_layer,
             "vocab_sha256": texts.hexdigest(),
             "kv": f"{'f16' if cache_types == ('f16', 'f16') else '/'.join(cache_types)},unified"}
-
-
-def kv_bytes_per_cell(model: Model, config: EngineConfig) -> int:
-    """What one KV cell (a token's keys and values in every layer) takes in the cache's types;
-    an estimate from the heads' sizes (a recurrent state is per sequence, not per cell)."""
-    if model.n_head <= 0:
-        return 0
-    per_head = model.n_embd // model.n_head
-    each = model.n_layer * max(model.n_head_kv, 1) * per_head
-    return round(each * (CACHE_TYPE_BYTES[config.cache_type_k] + CACHE_TYPE_BYTES[config.cache_type_v]))
 
 
 def recurrent_config(config: EngineConfig, name: str) -> EngineConfig:
@@ -156,19 +147,7 @@ class NativeExecutor:
                 stack.callback(self._embedder.close)
                 self.ctx, self.batch = self._embedder.ctx, self._embedder.batch
             else:
-                # deterministic: every row computed by the same kernels whatever the batch holds,
-                # and attention summed cell by cell (flash attention's reference path), each
-                # sequence's cells in position order (aiollama.runner.ordered: one more seq id)
-                # each seq id takes an output row, and llama.cpp has n_batch of them (at most n_ctx)
-                ids = min(config.context_seq_ids(self.model.vocab.n_tokens), config.n_batch, config.n_ctx)
-                if config.deterministic:
-                    ids = min(ids, MAX_SEQ - 1) + 1
-                self.ctx = stack.enter_context(Context(
-                    self.model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_seq_max=ids,
-                    n_threads=config.n_threads, kv_unified=config.kv_unified,
-                    flash_attn=True if config.deterministic else config.flash_attn,
-                    cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v,
-                    reference_kernels=config.deterministic))
+                self.ctx = stack.enter_context(Context(self.model, **context_options(config, self.model)))
                 self.batch = stack.enter_context(Batch(self.ctx.n_batch))
             self._loras = {name: stack.enter_context(LoraAdapter(self.model, path)) for name, path in config.lora.items()}
             if self._loras:
@@ -207,7 +186,7 @@ class NativeExecutor:
         if self.memory == "recurrent":
             self.n_cells = self.ctx.n_ctx_seq * self.n_seq_max  # no KV cells: only seq ids are scarce
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model, (config.cache_type_k, config.cache_type_v))
-        self.model_info = model_info(self.model, config, self.embeds_only, self.vocab.n_tokens)
+        self.model_info = model_info(self.model, config, self.embeds_only, self.ctx)
         self.sampling = Sampling(self.ctx, self.vocab, backend=config.backend_sampling and not self.embeds_only,
                                  gpu_decodes=self._gpu_decodes)
         self._order: OrderedCells | None = None
@@ -381,14 +360,3 @@ class NativeExecutor:
         if self._embedder is not None and not self.embeds_only:
             self._embedder.close()  # the one of an embedding model goes with the handles
         self._handles.close()  # batch, context, model: the reverse of their creation
-
-
-def model_info(model: Model, config: EngineConfig, embeds_only: bool, n_vocab: int) -> Mapping[str, str | int]:
-    """What the engine tells of its model: its description, sizes, the KV bytes a cell takes, how
-    ``embed()`` pools, and what it is for: a reranker (pooled by rank), an embedding model (it
-    cannot generate), or chat."""
-    pooling = embed_pooling(model, config.pooling)
-    return {"description": model.description(), "ftype": model.ftype, "n_params": model.n_params,
-            "size": model.size, "n_embd": model.n_embd, "n_ctx_train": model.n_ctx_train, "n_vocab": n_vocab,
-            "kv_bytes_per_cell": kv_bytes_per_cell(model, config), "pooling": pooling,
-            "kind": "rerank" if pooling == "rank" else "embedding" if embeds_only else "chat"}
