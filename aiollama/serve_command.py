@@ -129,6 +129,9 @@ def add_serve(serve: argparse.ArgumentParser) -> None:
                        help="how long a stored response is kept")
     serve.add_argument("--responses-mib", type=int, default=256, metavar="MIB",
                        help="memory stored responses may hold, their conversations' KV cells and pictures counted")
+    serve.add_argument("--responses-db", type=Path, default=None, metavar="PATH",
+                       help="keep stored responses in this SQLite file too: previous_response_id goes on after a "
+                            "restart (several servers on one host may share it)")
     serve.add_argument("--chat-template", default=None,
                        help="a chat template (Jinja) in place of the one the model's GGUF carries, or lacks")
     serve.add_argument("--chat-template-file", type=Path, default=None, help="the same, from a file")
@@ -253,7 +256,7 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
             "embd_normalize": args.embd_normalize,
             "cors": Cors(args.cors_origins, args.cors_methods, args.cors_headers, args.cors_credentials),
             "props_writable": args.props, "responses_max": args.responses_max, "responses_ttl": args.responses_ttl,
-            "responses_mib": args.responses_mib}
+            "responses_mib": args.responses_mib, "responses_db": args.responses_db}
 
 
 def _adapters(given: list[str]) -> dict[str, Path]:

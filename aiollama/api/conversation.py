@@ -27,6 +27,7 @@ from aiollama._validate import lora_set, number
 from aiollama.api.chat_turns import ChatTurns, check_turn, reader_for, reply_params
 from aiollama.api.client import EngineClient
 from aiollama.api.images import Image
+from aiollama.api.pooled import saved
 from aiollama.api.portal import AsyncSink
 from aiollama.api.stream import Chunk, Completion, Stream, TokenHistory
 from aiollama.core.commands import (
@@ -38,7 +39,7 @@ from aiollama.core.commands import (
     Rewind,
     Save,
 )
-from aiollama.core.outputs import Delta, Item, Snapshot
+from aiollama.core.outputs import Item
 from aiollama.errors import (
     ConversationBusy,
     ConversationClosed,
@@ -273,20 +274,22 @@ class Conversation:
                          reasoning_format=reasoning_format, parallel_tool_calls=parallel_tool_calls)
         return self.stream(**params)
 
-    async def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the conversation to ``path``: its tokens, a copy of its KV cells, its chat, and a
-        fingerprint of the model; ``Engine.load(path)`` brings it back without evaluating again.
-
-        Raises ConversationBusy while a stream of it has not ended, and OSError if the file cannot be
-        written.
-        """
+    async def snapshot(self, *, cells: bool = True) -> bytes:
+        """What ``save`` writes: tokens, chat, the model's fingerprint, and with ``cells`` a copy of
+        the KV cells (without, ``Engine.restore`` evaluates the tokens again: smaller, and still a
+        correct continuation). ConversationBusy while a stream of it has not ended."""
         sink = self._client.async_sink()
         self._check()
-        self._check_settled("save()")
+        self._check_settled("snapshot()")
         self._client.send(Save(self.id, sink))
         with anyio.CancelScope(shield=True):
-            data = saved(self, await sink.get())
-        await anyio.to_thread.run_sync(savefile.write_file, path, data)
+            item = await sink.get()
+        return saved(self._client, self._chat.state(), item, cells)
+
+    async def save(self, path: str | os.PathLike[str], *, cells: bool = True) -> None:
+        """Write :meth:`snapshot` to ``path``; ``Engine.load(path)`` brings it back (without
+        evaluating again, with ``cells``). OSError if the file cannot be written."""
+        await anyio.to_thread.run_sync(savefile.write_file, path, await self.snapshot(cells=cells))
 
     async def aclose(self) -> None:
         """End any generation and free the conversation; its cached prefix stays in the engine's
@@ -302,15 +305,6 @@ class Conversation:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.aclose()
-
-
-def saved(conv: Conversation, item: Item) -> bytes:
-    """The file of a conversation, from the decode thread's snapshot of it."""
-    if isinstance(item, Delta) and item.error is not None:
-        raise item.error
-    assert isinstance(item, Snapshot)
-    return savefile.dump(savefile.Saved(item.tokens, item.n_cached, item.state, conv._chat.state(),
-                                        conv._client.fingerprint, conv._client.images.saved(item.images)))
 
 
 def guidance(conv: Conversation, params: dict[str, Any]) -> tuple[Conversation | None, float]:

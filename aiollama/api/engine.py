@@ -277,16 +277,14 @@ class Engine:
         await reply(self._client, lambda sink: self._client.send(ClearCache(sink)))
 
     async def load(self, path: str | os.PathLike[str]) -> Conversation:
-        """A conversation saved with ``Conversation.save``: its tokens, its chat, and its KV cells
-        when they fit (evaluated again when it next streams, otherwise).
+        """A conversation saved with ``Conversation.save``: :meth:`restore` of the file's bytes."""
+        return await self.restore(await anyio.to_thread.run_sync(_read_file, path))
 
-        Raises:
-            ConversationFileError: the file is damaged, cut short, or not a saved conversation.
-            ModelMismatch: it was saved from another model or cache layout.
-            OSError: the file cannot be read.
-        Nothing changes in the engine when it raises.
-        """
-        data = await anyio.to_thread.run_sync(_read_file, path)
+    async def restore(self, data: bytes) -> Conversation:
+        """A conversation from ``Conversation.snapshot``: its tokens, its chat, and its KV cells
+        when it has them and they fit (evaluated again when it next streams, otherwise).
+        ConversationFileError: damaged, cut short, or not a saved conversation; ModelMismatch:
+        saved from another model or cache layout; nothing changes in the engine then."""
         convs: list[Conversation] = []
         await reply(self._client, lambda sink: convs.append(load_request(self._client, data, sink)))
         return convs[0]

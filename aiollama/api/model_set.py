@@ -4,8 +4,9 @@ idle or when room is needed.
 A :class:`ModelSet` holds :class:`ModelEntry` values (a name, a GGUF file, the engine's options, and
 aliases) and opens each one's engine when it is first used. Memory stays bounded:
 
-- at most ``max_loaded`` engines at once, and at most ``memory_bytes`` of them together (each
-  counted by its plan, :func:`aiollama.plan`, until it has loaded, then by what it holds);
+- at most ``max_loaded`` engines at once, and at most ``memory_bytes`` of them together (a number
+  for all devices, or a budget per device: ``{"CPU": ..., "CUDA0": ...}``), each counted by its
+  plan (:func:`aiollama.plan`: what llama.cpp will allocate, per device);
 - to make room, the least recently used idle model is closed first;
 - a model idle for its ``keep_alive`` seconds is closed (per model, or per use as Ollama's
   ``keep_alive``: negative keeps it loaded, 0 closes it as soon as it is idle);
@@ -30,10 +31,11 @@ from typing import Any
 import anyio
 
 from aiollama.api.engine import Engine
-from aiollama.api.plan import plan
+from aiollama.api.plan import Plan, plan
 from aiollama.errors import AiollamaError, ModelBusy, ModelNotLoaded, Overloaded, UnknownModel
 
 REAP_SECONDS = 0.25  # how often idle models are looked for
+ALL = "*"  # a budget of every device together
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ class ModelSet:
     conversation keeps its engine loaded. ``on_close(name)`` is called before a model's engine
     closes. ``opener`` makes an unstarted engine of an entry (``Engine(path, **options)``)."""
 
-    def __init__(self, entries: Iterable[ModelEntry], *, max_loaded: int = 4, memory_bytes: int | None = None,
+    def __init__(self, entries: Iterable[ModelEntry], *, max_loaded: int = 4,
+                 memory_bytes: int | Mapping[str, int] | None = None,
                  keep_alive: float = 300.0, autoload: bool = True, conversations_hold: bool = True,
                  on_close: Callable[[str], Any] | None = None,
                  opener: Callable[[ModelEntry], Engine] | None = None) -> None:
@@ -117,20 +120,25 @@ class ModelSet:
                     raise ValueError(f"model name {name!r} is empty or given twice")
                 self._names[name] = entry.name
             self._slots[entry.name] = _Slot(entry)
-        if max_loaded < 0 or (memory_bytes is not None and memory_bytes <= 0) or not math.isfinite(keep_alive):
+        budgets = memory_bytes.values() if isinstance(memory_bytes, Mapping) else \
+            [] if memory_bytes is None else [memory_bytes]
+        if max_loaded < 0 or any(b <= 0 for b in budgets) or not math.isfinite(keep_alive):
             raise ValueError("max_loaded must be >= 0, memory_bytes > 0, keep_alive a number of seconds")
-        self.max_loaded, self.memory_bytes, self.keep_alive = max_loaded, memory_bytes, keep_alive
+        self.max_loaded, self.keep_alive = max_loaded, keep_alive
+        self.memory_bytes: dict[str, int] | None = None if memory_bytes is None else \
+            dict(memory_bytes) if isinstance(memory_bytes, Mapping) else {ALL: memory_bytes}
         self.autoload, self.conversations_hold = autoload, conversations_hold
         self._on_close = on_close
         self._opener = opener or (lambda entry: Engine(entry.path, **entry.options))
         self._lock = anyio.Lock()
         self._tg: anyio.abc.TaskGroup | None = None
-        self._planned: dict[str, int] = {}
+        self._planned: dict[str, Plan | None] = {}  # each model's plan (None: it could not be planned)
 
     async def __aenter__(self) -> ModelSet:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._reap)
+        self._tg.start_soon(self._plan_all)
         for slot in self._slots.values():
             if slot.entry.load_on_startup:
                 await self.load(slot.entry.name)
@@ -173,8 +181,10 @@ class ModelSet:
             state = "loading" if slot.loading is not None else "loaded" if engine is not None else "unloaded"
             keep = self._keep_alive(slot)
             expires = max(0.0, slot.last_used + keep - now) if engine is not None and not users and keep >= 0 else None
-            out.append(ModelStatus(slot.entry.name, slot.entry.aliases, slot.entry.path, state,
-                                   engine_kind(engine) if engine is not None else None, self._bytes(slot), users,
+            planned = self._planned.get(slot.entry.name)
+            kind = engine_kind(engine) if engine is not None else planned.kind if planned is not None else None
+            out.append(ModelStatus(slot.entry.name, slot.entry.aliases, slot.entry.path, state, kind, self._bytes(slot),
+                                   users,
                                    expires, slot.load_seconds, slot.loads))
         return out
 
@@ -234,8 +244,8 @@ class ModelSet:
         slot.loading, slot.error = anyio.Event(), None
         try:
             async with self._lock:
-                if self.memory_bytes is not None and slot.measured is None and slot.entry.name not in self._planned:
-                    self._planned[slot.entry.name] = await anyio.to_thread.run_sync(_planned_bytes, slot.entry)
+                if self.memory_bytes is not None:
+                    await self._plan_of(slot.entry)
                 await self._make_room(slot)
             started = time.perf_counter()
             engine = self._opener(slot.entry)
@@ -255,14 +265,14 @@ class ModelSet:
         while True:
             loaded = [s for s in self._slots.values() if s is not slot and (s.engine is not None or s.loading)]
             over_count = self.max_loaded and len(loaded) + 1 > self.max_loaded
-            over_bytes = self.memory_bytes is not None and \
-                sum(self._bytes(s) for s in loaded) + self._bytes(slot) > self.memory_bytes
+            over_bytes = self._over_budget(slot, loaded)
             if not over_count and not over_bytes:
                 return
             idle = sorted((s for s in loaded if s.engine is not None and not self._users(s)), key=lambda s: s.last_used)
             if not idle:
                 why = f"{len(loaded)} models are loaded (at most {self.max_loaded})" if over_count else \
-                    f"it needs {self._bytes(slot)} bytes and the loaded models leave less of {self.memory_bytes}"
+                    f"it needs {self._device_bytes(slot)} bytes and the loaded models leave less of " \
+                    f"{self.memory_bytes}"
                 raise Overloaded(f"no room to load model {slot.entry.name!r}: {why}, and all are in use")
             await self._close(idle[0])
 
@@ -303,19 +313,44 @@ class ModelSet:
                 return value
         return self.keep_alive
 
+    async def _plan_of(self, entry: ModelEntry) -> Plan | None:
+        if entry.name not in self._planned:
+            self._planned[entry.name] = await anyio.to_thread.run_sync(_planned, entry)
+        return self._planned[entry.name]
+
+    async def _plan_all(self) -> None:
+        """Plan every model once, in the background: its bytes and kind are known before it loads."""
+        for slot in list(self._slots.values()):
+            await self._plan_of(slot.entry)
+
+    def _device_bytes(self, slot: _Slot) -> dict[str, int]:
+        """What the model takes (or will) on each device: its plan's; what it holds once loaded
+        where it could not be planned, else its file's size."""
+        planned = self._planned.get(slot.entry.name)
+        if planned is not None:
+            return planned.by_device()
+        return {"CPU": slot.measured if slot.measured is not None else _file_bytes(slot.entry)}
+
     def _bytes(self, slot: _Slot) -> int:
-        if slot.measured is not None:
-            return slot.measured
-        return self._planned.get(slot.entry.name) or _file_bytes(slot.entry)
+        return sum(self._device_bytes(slot).values())
+
+    def _over_budget(self, slot: _Slot, loaded: list[_Slot]) -> bool:
+        if self.memory_bytes is None:
+            return False
+        used: dict[str, int] = {}
+        for s in (*loaded, slot):
+            for device, size in self._device_bytes(s).items():
+                key = ALL if ALL in self.memory_bytes else device
+                used[key] = used.get(key, 0) + size
+        return any(size > self.memory_bytes.get(device, size) for device, size in used.items())
 
 
-def _planned_bytes(entry: ModelEntry) -> int:
-    """The bytes an engine of ``entry`` will hold (its plan); its file's size where it cannot be
-    planned (the load will then say why)."""
+def _planned(entry: ModelEntry) -> Plan | None:
+    """The plan of an engine of ``entry``; None where it cannot be planned (its load will say why)."""
     try:
-        return plan(entry.path, **entry.options).total_bytes
+        return plan(entry.path, **entry.options)
     except (AiollamaError, OSError, ValueError):
-        return _file_bytes(entry)
+        return None
 
 
 def _file_bytes(entry: ModelEntry) -> int:

@@ -21,7 +21,7 @@ from aiollama.config import EngineConfig
 from aiollama.models import default_model
 from aiollama.native import Context
 from aiollama.native.footprint import Buffer, footprint
-from aiollama.runner.embedder import embedder_options, is_embedding_model
+from aiollama.runner.embedder import embed_pooling, embedder_options, is_embedding_model
 from aiollama.runner.executor import load_model, recurrent_config
 from aiollama.runner.shape import context_options
 
@@ -46,10 +46,19 @@ class Plan:
     compute_bytes: int
     kv_bytes_per_cell: int
     kv_bytes_per_stream: int
+    kind: str = "chat"  # what the model is for: "chat", "embedding" or "rerank" (a reranker)
 
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.memory_bytes + self.compute_bytes
+
+    def by_device(self) -> dict[str, int]:
+        """The bytes on each device: its buffer types together ("CPU" holds "CPU_Mapped",
+        "CPU_REPACK" and a GPU's pinned host buffers; "CUDA0" its split buffers)."""
+        out: dict[str, int] = {}
+        for b in self.buffers:
+            out[device_of(b.name)] = out.get(device_of(b.name), 0) + b.weights + b.memory + b.compute
+        return out
 
     def fits(self, memory_bytes: int) -> dict[str, int]:
         """What ``memory_bytes`` holds besides the weights and compute buffers: its ``cells`` (a
@@ -64,9 +73,16 @@ class Plan:
         out = dataclasses.asdict(self)
         out["buffers"] = [dataclasses.asdict(b) for b in self.buffers]
         out["total_bytes"] = self.total_bytes
+        out["by_device"] = self.by_device()
         if memory_bytes is not None:
             out["fits"] = {"memory_bytes": memory_bytes, **self.fits(memory_bytes)}
         return out
+
+
+def device_of(buffer: str) -> str:
+    """The device a llama.cpp buffer type is on ("CUDA0_Split": CUDA0; "CUDA_Host", "CPU_REPACK": CPU)."""
+    name = buffer.split("_")[0]
+    return "CPU" if name == "CPU" or buffer.endswith("_Host") else name
 
 
 def plan(model_path: str | os.PathLike[str] | None = None, **options: Any) -> Plan:
@@ -75,6 +91,8 @@ def plan(model_path: str | os.PathLike[str] | None = None, **options: Any) -> Pl
     config = EngineConfig.from_options(model_path, **options)
     path = config.model_path if config.model_path is not None else default_model()
     with load_model(config, path, no_alloc=True) as model:  # placed as the engine's ("auto": llama.cpp's fitting)
+        pooling = embed_pooling(model, config.pooling)
+        kind = "rerank" if pooling == "rank" else "embedding" if is_embedding_model(model) else "chat"
         if is_embedding_model(model):
             shape = embedder_options(model, config.n_threads, config.pooling)
         else:
@@ -88,4 +106,4 @@ def plan(model_path: str | os.PathLike[str] | None = None, **options: Any) -> Pl
     weights, memory, compute = (sum(getattr(b, k) for b in buffers) for k in ("weights", "memory", "compute"))
     per_cell = math.ceil(memory / n_ctx) if n_ctx and not model.is_recurrent else 0
     return Plan(os.fspath(path), description, model.n_gpu_layers, n_ctx, n_ctx_seq, config.n_seq_max, buffers,
-                weights, memory, compute, per_cell, per_cell * n_ctx_seq)
+                weights, memory, compute, per_cell, per_cell * n_ctx_seq, kind)

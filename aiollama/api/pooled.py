@@ -1,5 +1,5 @@
 """Requests answered between the decode steps: pooled rows (embeddings, and a reranker's scores),
-and how a caller waits for such an answer."""
+a conversation's snapshot, and how a caller waits for such an answer."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import anyio
 from aiollama.api.client import EngineClient
 from aiollama.api.portal import AsyncSink
 from aiollama.core.commands import Embed
-from aiollama.core.outputs import Delta, Item, Vectors
+from aiollama.core.outputs import Delta, Item, Snapshot, Vectors
 from aiollama.errors import InvalidRequestError
+from aiollama.formats import savefile
 from aiollama.formats.rerank import check_pairs, rerank_tokens
 
 
@@ -62,3 +63,14 @@ async def reply(client: EngineClient, request: Callable[[AsyncSink], Any]) -> It
 async def answer(client: EngineClient, request: Callable[[AsyncSink], Any]) -> list[Any]:
     """:func:`reply`'s rows (embeddings, or a reranker's scores)."""
     return vectors(await reply(client, request))
+
+
+def saved(client: EngineClient, chat: Any, item: Item, cells: bool = True) -> bytes:
+    """The file of a conversation (its ``chat`` state), from the decode thread's snapshot of it
+    (``cells``: with them)."""
+    if isinstance(item, Delta) and item.error is not None:
+        raise item.error
+    assert isinstance(item, Snapshot)
+    n_cached, state = (item.n_cached, item.state) if cells else (0, b"")
+    return savefile.dump(savefile.Saved(item.tokens, n_cached, state, chat,
+                                        client.fingerprint, client.images.saved(item.images)))

@@ -27,12 +27,14 @@ from aiollama.formats.chat import REASONING_FORMATS
 from aiollama.models import default_model
 from aiollama.sampling import SamplingParams
 from aiollama.server import embeddings, messages, native, rerank, responses
+from aiollama.server.background import Runs
 from aiollama.server.bad_request import BadRequest
 from aiollama.server.cors import Cors, CorsMiddleware
 from aiollama.server.fetch import Fetcher
 from aiollama.server.generate import chat_completions, completions
 from aiollama.server.guard import Guard, Limits, load_keys
 from aiollama.server.prompt_tools import apply_template, detokenize, tokenize
+from aiollama.server.response_db import ResponseDB
 from aiollama.server.state import State, serving_engine, translate
 from aiollama.server.store import SWEEP_SECONDS, ResponseStore, Sizing
 
@@ -66,7 +68,8 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
                sampling: dict[str, Any] | None = None, chat_defaults: dict[str, Any] | None = None,
                embd_normalize: int = 2, cors: Cors | None = LOCAL_PAGES, props_writable: bool = False,
                load_in_background: bool = False, responses_max: int = 256, responses_ttl: float = 3600.0,
-               responses_mib: int = 256, replica: str = "", **engine_options: Any) -> Starlette:
+               responses_mib: int = 256, responses_db: str | os.PathLike[str] | None = None, replica: str = "",
+               **engine_options: Any) -> Starlette:
     """The app. ``engine_options`` go to :class:`Engine` when the app owns its engine.
 
     With ``api_keys`` (or keys in ``$AIOLLAMA_API_KEY``, comma-separated) every route but
@@ -78,7 +81,8 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
     request's, and ``reasoning_effort``) apply to every request that gives none;
     ``embd_normalize`` is ``/embedding``'s normalisation where a request gives none.
     ``responses_max``, ``responses_ttl`` (seconds) and ``responses_mib`` bound the responses kept
-    for ``previous_response_id`` (their conversations' cells and pictures counted). ``replica``
+    for ``previous_response_id`` (their conversations' cells and pictures counted), in memory and,
+    with ``responses_db`` (an SQLite file), on disk too, where a restart finds them. ``replica``
     names this app among replicas: its response ids carry it, so that a router sends the next turn
     to the replica that holds the conversation.
     ``fetch_images``: image_url parts may name http(s) URLs, which the server fetches from public
@@ -103,7 +107,10 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
                   if fetch_images else None, reasoning_format=reasoning_format, props_writable=props_writable,
                   chat_defaults={k: v for k, v in (chat_defaults or {}).items() if v is not None},
                   embd_normalize=embd_normalize, replica=replica,
-                  responses=ResponseStore(responses_max, responses_ttl, responses_mib << 20))
+                  responses=ResponseStore(responses_max, responses_ttl, responses_mib << 20, db=None if responses_db is None
+                                          else ResponseDB(responses_db, max_items=responses_max, ttl=responses_ttl,
+                                                          max_bytes=responses_mib << 20)),
+                  runs=Runs(responses_ttl))
     if replica and not replica.isalnum():
         raise ValueError(f"a replica's name is letters and digits, not {replica!r}")
     unknown = set(state.chat_defaults) - {"chat_template_kwargs", "reasoning_effort"}
@@ -131,6 +138,7 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(_sweep, state.responses)
+            state.task_group = tg
             try:
                 if engine is not None:
                     if engine.serving:
@@ -141,7 +149,9 @@ def create_app(model: str | os.PathLike[str] | None = None, *, engine: Engine | 
                     await load()
                 yield
             finally:
+                state.runs.close()  # background responses end with the app
                 tg.cancel_scope.cancel()
+                state.task_group = None
                 state.responses.close()  # the stored conversations go with the app
                 if engine is None:
                     owned, state.engine = state.engine, None
@@ -211,6 +221,7 @@ def _routes(state: State) -> list[Route]:
             route(f"{prefix}/responses", "responses", responses.create),
             route(f"{prefix}/responses/{{response_id}}", "responses", responses.retrieve, "GET"),
             route(f"{prefix}/responses/{{response_id}}", "responses", responses.delete, "DELETE"),
+            route(f"{prefix}/responses/{{response_id}}/cancel", "responses", responses.cancel),
         ]
     routes.append(route("/v1/embeddings", "embeddings", embeddings.openai_route))
     routes += [route(path, "rerank", rerank.route) for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")]

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from aiollama import Chunk, Conversation, FinishReason, SamplingParams, Stream
 from aiollama.errors import AiollamaError
 from aiollama.formats.reply import ReplyDelta
+from aiollama.server.background import Run
 from aiollama.server.bad_request import BadRequest
 from aiollama.server.neutral_request import message_text
 from aiollama.server.opening import event_stream, open_route, while_connected
@@ -59,7 +60,11 @@ def _not_found(response_id: str, param: str | None = None) -> BadRequest:
 
 async def create(state: State, request: HttpRequest) -> Response:
     req = responses_request(await state.guard.read_json(request))
+    if req.previous_response_id is not None:  # in memory, or brought back from the database
+        await state.responses.restore(req.previous_response_id, serving_engine(state))
     turn, release = await open_route(state, request, req.messages, lambda: _start(state, req))
+    if req.background:
+        return _detach(state, turn, release)
     if req.stream:
         return event_stream(_events(state, turn, release))
 
@@ -78,17 +83,62 @@ async def create(state: State, request: HttpRequest) -> Response:
         await turn.settle(state)
 
 
+def _detach(state: State, turn: Turn, release: Callable[[], None]) -> Response:
+    """A background response: its events driven by the app, not by this connection; the caller
+    follows them (``stream``) or gets the response as it stands."""
+    if state.task_group is None:
+        release()
+        turn.conv.close_nowait()
+        raise BadRequest("background responses need the app running (its lifespan)", status=503, code="unavailable")
+    run = Run(turn.id, turn.shell("in_progress", []))
+    state.runs.start(state.task_group, run, _events(state, turn, release))
+    if turn.req.stream:
+        return event_stream(state.runs.follow(run, -1))  # a client that goes away leaves the run going
+    return JSONResponse(run.response)
+
+
 async def retrieve(state: State, request: HttpRequest) -> Response:
+    """A response as it stands (a background one while it runs); with ``stream=true`` a background
+    response's events after ``starting_after``, then the live ones."""
     response_id = request.path_params["response_id"]
-    stored = state.responses.get(response_id)
-    if stored is None:
+    run = state.runs.get(response_id)
+    if request.query_params.get("stream") == "true":
+        if run is None:
+            raise BadRequest("only a background response's events are kept to stream again", param="stream")
+        after = request.query_params.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit():
+            raise BadRequest("'starting_after' must be an event's sequence number", param="starting_after")
+        return event_stream(state.runs.follow(run, int(after)))
+    stored = await state.responses.response(response_id)
+    if stored is not None:
+        return JSONResponse(stored)
+    if run is not None:
+        return JSONResponse(run.response)
+    raise _not_found(response_id)
+
+
+async def cancel(state: State, request: HttpRequest) -> Response:
+    """Stop a background response; the response as it then stands (``cancelled``, or how it had
+    ended already)."""
+    response_id = request.path_params["response_id"]
+    run = state.runs.cancel(response_id)
+    if run is None:
+        if state.responses.get(response_id) is not None:
+            raise BadRequest("only a background response can be cancelled", param="response_id")
         raise _not_found(response_id)
-    return JSONResponse(stored.response)
+    while True:
+        changed = run.changed
+        if run.done:
+            break
+        await changed.wait()
+    stored = state.responses.get(response_id)
+    return JSONResponse(stored.response if stored is not None and run.response["status"] != "cancelled"
+                        else run.response)
 
 
 async def delete(state: State, request: HttpRequest) -> Response:
     response_id = request.path_params["response_id"]
-    if not state.responses.delete(response_id):
+    if not await state.responses.delete(response_id):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -154,7 +204,7 @@ class Turn:
     async def settle(self, state: State) -> None:
         """Keep the conversation with its response when asked to store it; else free it."""
         if self.response is not None and self.req.store:
-            state.responses.put(self.response, self.conv)
+            await state.responses.keep(self.response, self.conv)
         else:
             await self.conv.aclose()
 

@@ -26,7 +26,7 @@ from aiollama.server.openai_request import OPENAI_CEILINGS
 RESPONSE_FIELDS = frozenset({
     "model", "input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
     "temperature", "top_p", "tools", "tool_choice", "text", "parallel_tool_calls", "metadata", "user",
-    "seed", "top_k", "min_p", "repeat_penalty", "stop", "truncation", "include", "reasoning",
+    "seed", "top_k", "min_p", "repeat_penalty", "stop", "truncation", "include", "reasoning", "background",
 })
 
 
@@ -39,6 +39,7 @@ class ResponsesRequest(ChatRequest):
     previous_response_id: str | None = None
     instructions: str | None = None
     store: bool = True
+    background: bool = False  # run detached from the connection, to be polled, rejoined or cancelled
     echo_fields: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
 
 
@@ -78,6 +79,11 @@ def responses_request(body: Any) -> ResponsesRequest:
     store = body.get("store", True)
     if not isinstance(store, bool):
         raise BadRequest("'store' must be a boolean", param="store")
+    background = body.get("background", False)
+    if not isinstance(background, bool):
+        raise BadRequest("'background' must be a boolean", param="background")
+    if background and not store:
+        raise BadRequest("a background response must be stored: 'background' needs 'store': true", param="background")
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise BadRequest("'previous_response_id' must be a string", param="previous_response_id")
@@ -97,10 +103,10 @@ def responses_request(body: Any) -> ResponsesRequest:
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "text": text or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
             "store": store, "previous_response_id": previous, "parallel_tool_calls": True,
-            "reasoning": {"effort": effort, "summary": None}}
+            "reasoning": {"effort": effort, "summary": None}, "background": background}
     return ResponsesRequest(messages=messages, params=params, stream=stream, tools=tools, tool_choice=choice,
                             reasoning_effort=effort, effort_param="reasoning.effort", previous_response_id=previous,
-                            instructions=instructions, store=store, echo_fields=echo)
+                            instructions=instructions, store=store, background=background, echo_fields=echo)
 
 
 def _effort(value: Any) -> str | None:

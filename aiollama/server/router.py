@@ -42,7 +42,7 @@ from aiollama.server.state import translate
 NATIVE_PATHS = ("/completion", "/completions", "/infill", "/embedding", "/props", "/tokenize", "/detokenize",
                 "/apply-template", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking")
 LOCAL_PAGES = Cors()  # CORS for pages served from this machine, as a single-model server's default
-RESPONSE_PATH = re.compile(r"(?:/v1)?/responses/([^/]+)")
+RESPONSE_PATH = re.compile(r"(?:/v1)?/responses/([^/]+)(?:/cancel)?")
 DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio.abc
+
 from aiollama import Engine, Statistics
 from aiollama.errors import (
     AiollamaError,
@@ -17,6 +19,7 @@ from aiollama.errors import (
     InvalidRequestError,
     Overloaded,
 )
+from aiollama.server.background import Runs
 from aiollama.server.bad_request import BadRequest
 from aiollama.server.fetch import Fetcher
 from aiollama.server.guard import Guard
@@ -37,6 +40,8 @@ class State:
     owns_engine: bool = False
     guard: Guard = field(default_factory=Guard)
     responses: ResponseStore = field(default_factory=ResponseStore)
+    runs: Runs = field(default_factory=lambda: Runs(3600.0))  # background responses
+    task_group: anyio.abc.TaskGroup | None = None  # the app's, for work no request holds (background responses)
     longest_piece: int = 0  # the most bytes one token stands for (0: not looked up yet)
     defaults: dict[str, Any] = field(default_factory=dict)  # stream parameters a request may override
     fetcher: Fetcher | None = None  # how image URLs are fetched; None: they are not

@@ -150,3 +150,35 @@ def test_a_models_folder_names_each_model_by_its_file(tmp_path: Path, entries: l
         ("vision", "model-q4.gguf", {"n_ctx": 256, "mmproj": sub / "mmproj-f16.gguf"})]
     with pytest.raises(ValueError):
         ModelSet([ModelEntry("a", entries[0].path), ModelEntry("b", entries[0].path, aliases=("a",))])
+
+
+async def test_a_budget_per_device_closes_the_least_recently_used_to_make_room(entries: list[ModelEntry]) -> None:
+    planned = {e.name: aiollama.plan(e.path, **e.options).by_device() for e in entries}
+    assert all(set(p) == {"CPU"} for p in planned.values())  # this machine's tests have no GPU
+    budget = {"CPU": planned["chat"]["CPU"] + planned["embed"]["CPU"] + 1}
+    async with ModelSet(entries, memory_bytes=budget) as models:
+        await models.load("chat")
+        await models.load("embed")
+        assert [s.state for s in models.status()] == ["loaded", "loaded", "unloaded"]
+        assert {s.name: s.kind for s in models.status()}["rerank"] == "rerank"  # planned: known before it loads
+        await models.load("rerank")
+        assert [s.state for s in models.status()] == ["unloaded", "loaded", "loaded"]
+    with pytest.raises(ValueError):
+        ModelSet(entries, memory_bytes={"CPU": 0})
+
+
+async def test_a_snapshot_without_cells_restores_to_the_same_continuation(entries: list[ModelEntry]) -> None:
+    path = entries[0].path
+    async with Engine(path, **SMALL) as engine:
+        conv = engine.conversation()
+        await conv.chat([{"role": "user", "content": "Tell me about the sea."}], max_tokens=8, temperature=0.0)
+        whole, light = await conv.snapshot(), await conv.snapshot(cells=False)
+        assert len(light) < len(whole) / 2
+        expected = await conv.chat([{"role": "user", "content": "And the sky?"}], max_tokens=8, temperature=0.0)
+        await conv.aclose()
+    async with Engine(path, **SMALL) as fresh:  # a new engine: nothing cached
+        again = await fresh.restore(light)
+        assert again.tokens == conv.tokens[:len(again.tokens)]
+        got = await again.chat([{"role": "user", "content": "And the sky?"}], max_tokens=8, temperature=0.0)
+        assert got.text == expected.text and got.stats is not None and got.stats.cached_tokens == 0
+        await again.aclose()
