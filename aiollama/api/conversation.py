@@ -287,8 +287,8 @@ class Conversation:
         return saved(self._client, self._chat.state(), item, cells)
 
     async def save(self, path: str | os.PathLike[str], *, cells: bool = True) -> None:
-        """Write :meth:`snapshot` to ``path``; ``Engine.load(path)`` brings it back (without
-        evaluating again, with ``cells``). OSError if the file cannot be written."""
+        """Write :meth:`snapshot` to ``path`` (OSError if it cannot be); ``Engine.load(path)`` reads it."""
+        self._check_settled("save()")
         await anyio.to_thread.run_sync(savefile.write_file, path, await self.snapshot(cells=cells))
 
     async def aclose(self) -> None:

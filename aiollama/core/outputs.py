@@ -165,6 +165,8 @@ class Statistics:
     checkpoints: int = 0  # recurrent and hybrid models: checkpoints of recurrent states kept now
     checkpoint_bytes: int = 0
     checkpoints_used: int = 0  # states put back from a checkpoint (a rewind, a prefix hit, a failed step)
+    drafted_tokens: int = 0  # speculative draft tokens verified (n-gram or draft model)
+    accepted_tokens: int = 0  # of those, the tokens the sampler took (each saved a decode step)
     weights_device: str = "CPU"  # where the weights are: CPU, CUDA0, or "CUDA0 (20 of 31 layers), CPU"
     kv_device: str = "CPU"  # where the KV cache is (each layer's beside its weights)
 

@@ -23,7 +23,7 @@ def add_drafts(slices: list[Slice], drafting: list[int], seqs: Mapping[int, SeqS
         s = slices[i]
         seq = seqs[s.conv]
         assert seq.draft is not None
-        limit = min(seq.draft.current, spare - added, n_ctx - 1 - s.pos)
+        limit = min(seq.draft.offer(), spare - added, n_ctx - 1 - s.pos)
         if draft_model:
             if limit > 0:
                 slices[i] = Slice(s.conv, s.seq_id, s.pos, s.tokens, True, model_draft=limit, history=seq.tokens)

@@ -38,6 +38,7 @@ class Planner:
         self.draft_model = config.draft_model
         self.whole_images = config.whole_images
         self.cache_hit_tokens = 0  # tokens an admission did not have to evaluate
+        self.drafted = self.accepted = 0  # speculative draft tokens verified, and those the sampler took
         self.admitted: list[int] = []
         self.shifted: list[tuple[int, int, int]] = []
         self.rr = 0
@@ -90,7 +91,9 @@ class Planner:
             if seq.restoring or ok is False:  # a parked state put back, or a checkpoint that was not
                 self.kv.restored(seq, bool(ok))
         if result.status is StepStatus.OK:
-            record(self.kv, self.queues.seqs, plan, result)
+            drafted, accepted = record(self.kv, self.queues.seqs, plan, result)
+            self.drafted += drafted
+            self.accepted += accepted
             self.rules.after_step(plan, self.queues.seqs)
             return True
         if result.status is StepStatus.NO_KV_SLOT:
@@ -194,11 +197,13 @@ class Planner:
 
 
 
-def record(kv: KVManager, seqs: Mapping[int, SeqState], plan: Plan, result: StepResult) -> None:
+def record(kv: KVManager, seqs: Mapping[int, SeqState], plan: Plan, result: StepResult) -> tuple[int, int]:
     """A decode went through: sampled tokens join their histories (a guided one's guide's too), and
     the cells decoded are cached; of a draft, only the pending token and the draft tokens the sampler
-    took keep theirs (the executor removed the others, all of them when no token was taken)."""
+    took keep theirs (the executor removed the others, all of them when no token was taken).
+    Returns the draft tokens verified and those taken."""
     taken: dict[int, int] = {}
+    drafted = accepted = 0
     for sampled in result.sampled:
         seq = seqs[sampled.conv]
         seq.tokens.append(sampled.token)
@@ -214,5 +219,7 @@ def record(kv: KVManager, seqs: Mapping[int, SeqState], plan: Plan, result: Step
             kv.dropped(offered - (n - 1))
             if seq.draft is not None:
                 seq.draft.record(offered, n - 1)
+            drafted, accepted = drafted + offered, accepted + n - 1
         else:
             kv.extend(seq, len(s.tokens))
+    return drafted, accepted

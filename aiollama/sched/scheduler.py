@@ -154,7 +154,7 @@ class Scheduler:
             cache_hit_tokens=self._plan.cache_hit_tokens, parked=len(kv.host), parked_bytes=kv.host.used_bytes,
             parks=kv.parks, restores=kv.restores, evictions=kv.evictions, preemptions=q.preemptions,
             compactions=kv.compactions, checkpoints=len(kv.checkpoints), checkpoint_bytes=kv.checkpoints.n_bytes,
-            checkpoints_used=kv.checkpoints.used)
+            checkpoints_used=kv.checkpoints.used, drafted_tokens=self._plan.drafted, accepted_tokens=self._plan.accepted)
 
     # saving and loading a conversation's state
 

@@ -56,25 +56,49 @@ def draft(tokens: Sequence[int], limit: int) -> tuple[int, ...]:
 PAST_TAKEN = 2  # after a partly taken draft, the next one offers this many more than were taken
 
 
+# A stream whose one-token drafts are rejected stops drafting for this many of its decodes, twice as
+# many after each further rejected probe (up to PAUSE_MAX), and probes with one token after them
+PAUSE_MIN = 8
+PAUSE_MAX = 256
+
+
 class DraftLength:
     """A stream's draft length: doubles after a fully accepted draft, halves after a rejected one,
     and follows what was taken after a partly taken one (each draft row costs a row of compute on
     a CPU: on the copying benchmark prompt this offered 86 rows instead of 96 for the same 67
-    taken tokens and 18 steps)."""
+    taken tokens and 18 steps). A rejected one-token draft stops drafting for a pause (0: off),
+    longer after each rejected probe, so that drafts which never agree cost nearly nothing; an
+    accepted token ends the pauses and the length grows again."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.current = limit
         self.drafted = 0
         self.accepted = 0
+        self.paused = 0  # decodes left without drafting
+        self.pause = PAUSE_MIN  # the next pause's length
 
     def record(self, offered: int, taken: int) -> None:
         """A draft of ``offered`` tokens had ``taken`` of them accepted."""
         self.drafted += offered
         self.accepted += taken
+        if taken:
+            self.pause = PAUSE_MIN
         if taken == offered:
             self.current = min(self.limit, max(1, self.current) * 2)
+        elif taken == 0 and self.current <= 1:  # even one token does not agree: pause
+            self.current, self.paused = 0, self.pause
+            self.pause = min(PAUSE_MAX, self.pause * 2)
         elif taken == 0:
             self.current = max(1, self.current // 2)
         else:  # the copy broke off inside the draft: offer about as much as was taken
             self.current = min(self.limit, taken + PAST_TAKEN)
+
+    def offer(self) -> int:
+        """How many tokens this decode may draft (counting down a pause; 1, a probe, after it)."""
+        if self.current == 0:
+            self.paused -= 1
+            if self.paused <= 0:
+                self.current = 1
+            return 0
+        return self.current

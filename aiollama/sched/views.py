@@ -100,3 +100,5 @@ class SchedulerStats:
     checkpoints: int = 0
     checkpoint_bytes: int = 0
     checkpoints_used: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0

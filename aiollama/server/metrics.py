@@ -77,6 +77,8 @@ class EngineCollector(Collector):
             ("checkpoints_used", "Recurrent states put back from a checkpoint", s.checkpoints_used),
             ("evictions", "Idle holders that gave KV cells back", s.evictions),
             ("preemptions", "Running generations stopped to free KV cells", s.preemptions),
+            ("spec_decode_draft_tokens", "Speculative draft tokens verified", s.drafted_tokens),
+            ("spec_decode_accepted_tokens", "Speculative draft tokens the sampler took", s.accepted_tokens),
         ]:
             yield CounterMetricFamily(f"aiollama_{name}", help_text, value=value)
         # where the engine computes, as a labelled constant (Prometheus' "info" pattern)

@@ -58,6 +58,26 @@ def test_draft_length_adapts() -> None:
     assert (length.drafted, length.accepted) == (42, 26)
 
 
+def test_drafts_that_never_agree_pause_longer_and_longer_and_resume_when_one_does() -> None:
+    from aiollama.sched.speculation import PAUSE_MAX, PAUSE_MIN
+
+    length = DraftLength(8)
+    offered = []
+    for _ in range(600):  # every draft rejected
+        n = length.offer()
+        offered.append(n)
+        if n:
+            length.record(n, 0)
+    assert offered[:4] == [8, 4, 2, 1] and offered[4:4 + PAUSE_MIN] == [0] * PAUSE_MIN
+    assert offered[4 + PAUSE_MIN] == 1  # a probe after the pause
+    assert sum(1 for n in offered if n) < 16  # 600 decodes, a handful of draft rows
+    assert length.pause == PAUSE_MAX
+    while length.offer() == 0:
+        pass
+    length.record(1, 1)  # the probe is taken: drafting grows again
+    assert length.pause == PAUSE_MIN and [length.offer() for _ in range(1)] == [2]
+
+
 # the engine, against a fake model that copies its history
 
 
@@ -110,6 +130,15 @@ async def test_drafts_that_miss_cost_nothing_but_rows() -> None:
     fast, fast_history, _, stats = await run(8, period=None, max_tokens=40, **GREEDY)
     assert fast == plain and fast_history == plain_history
     assert stats.accepted < stats.drafted
+
+
+@pytest.mark.anyio
+async def test_the_engine_counts_the_draft_tokens_and_those_taken() -> None:
+    async with Engine(executor=Copier(7), n_ctx=512, n_seq_max=4, draft_tokens=8) as engine:
+        result = await engine.conversation(PROMPT).stream(max_tokens=64, **GREEDY)
+        stats = engine.statistics()
+    assert result.stats is not None and stats.drafted_tokens == result.stats.drafted > 0
+    assert stats.accepted_tokens == result.stats.accepted > 0
 
 
 @pytest.mark.anyio
