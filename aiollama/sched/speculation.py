@@ -60,10 +60,12 @@ PAST_TAKEN = 2  # after a partly taken draft, the next one offers this many more
 # many after each further rejected probe (up to PAUSE_MAX), and probes with one token after them
 PAUSE_MIN = 8
 PAUSE_MAX = 256
+START = 2  # a stream's first draft: it doubles from there while drafts are taken whole
 
 
 class DraftLength:
-    """A stream's draft length: doubles after a fully accepted draft, halves after a rejected one,
+    """A stream's draft length: starts short, doubles after a fully accepted draft, halves after a
+    rejected one,
     and follows what was taken after a partly taken one (each draft row costs a row of compute on
     a CPU: on the copying benchmark prompt this offered 86 rows instead of 96 for the same 67
     taken tokens and 18 steps). A rejected one-token draft stops drafting for a pause (0: off),
@@ -72,7 +74,7 @@ class DraftLength:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.current = limit
+        self.current = min(limit, START)
         self.drafted = 0
         self.accepted = 0
         self.paused = 0  # decodes left without drafting
