@@ -331,7 +331,10 @@ def test_unordered_cells_are_freed_at_once() -> None:
     assert h.sched._kv.compactions == 0
 
 
-def test_ordered_cells_count_the_draft_tokens_the_executor_removed() -> None:
+def test_ordered_cells_count_the_draft_tokens_the_executor_removed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiollama.sched.speculation as speculation
+
+    monkeypatch.setattr(speculation, "START", 4)  # a first draft of the whole length
     sched = Scheduler(SchedulerConfig(n_ctx=64, n_seq_max=2, n_batch=64, step_tokens=64, ordered=True))
     sched.add(1, [1, 2, 3, 4, 5, 6, 1, 2, 3])
     sched.submit(1, draft=4)

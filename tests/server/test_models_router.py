@@ -142,3 +142,17 @@ async def test_loading_on_use_can_be_switched_off(router: Server) -> None:
             await client.completions.create(model="chat2", prompt="x", max_tokens=1,
                                             extra_query={"autoload": "false"})
         assert states(router)["chat2"]["status"]["value"] == "unloaded"
+
+
+async def test_a_stored_response_is_found_by_its_id_alone(router: Server) -> None:
+    async with router.client() as client:
+        made = await client.responses.create(model="chat", input="Hello", max_output_tokens=3, temperature=0)
+        assert made.model == "chat"
+        again = await client.responses.retrieve(made.id)  # a GET names no model: the id does
+        assert again.output_text == made.output_text
+        follow = await client.responses.create(model="chat", input="More", previous_response_id=made.id,
+                                               max_output_tokens=3, temperature=0)
+        assert follow.previous_response_id == made.id
+        await client.responses.delete(made.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(made.id)
