@@ -279,7 +279,7 @@ def model_metrics(router: Router) -> str:
     text format asks; and whether each model is loaded."""
     families: dict[str, tuple[list[str], list[str]]] = {}
     for name, child in list(router.children.items()):
-        label = 'model="' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        label = _label(name)
         family: tuple[list[str], list[str]] = ([], [])
         for line in generate_latest(child.app.state.aiollama.metrics.registry).decode().splitlines():
             if line.startswith("# HELP ") or line.startswith("# TYPE "):
@@ -292,5 +292,10 @@ def model_metrics(router: Router) -> str:
                 family[1].append(series + " " + value)
     lines = [line for headers, samples in families.values() for line in (*headers, *samples)]
     lines += ["# HELP aiollama_model_loaded whether the model is loaded", "# TYPE aiollama_model_loaded gauge"]
-    lines += [f'aiollama_model_loaded{{model="{s.name}"}} {int(s.state == "loaded")}' for s in router.models.status()]
+    lines += [f'aiollama_model_loaded{{{_label(s.name)}}} {int(s.state == "loaded")}' for s in router.models.status()]
     return "\n".join(lines) + "\n"
+
+
+def _label(name: str) -> str:
+    """``model="name"``, escaped as the text format asks (a model named by a file may hold anything)."""
+    return 'model="' + name.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') + '"'
