@@ -21,8 +21,9 @@ from aiollama.server.neutral_request import integer_field, json_object
 from aiollama.server.openai_request import MAX_INPUTS
 from aiollama.server.state import State, serving_engine, translate
 
-RERANK_FIELDS = frozenset({"model", "query", "documents", "texts", "top_n", "return_documents", "return_text",
-                           "truncate", "raw_scores", "max_chunks_per_doc", "rank_fields"})
+# Any other field (TEI's truncate and raw_scores, Cohere's max_chunks_per_doc and rank_fields) is
+# refused with a 400 naming it: none is taken and dropped
+RERANK_FIELDS = frozenset({"model", "query", "documents", "texts", "top_n", "return_documents", "return_text"})
 
 
 def rerank_request(body: Any) -> tuple[str, list[str], int | None, bool, bool]:

@@ -90,3 +90,12 @@ def test_checked_names_the_field_in_the_message_too() -> None:
         checked({"stop": [""]}, {"stop": "stop_sequences"})
     assert caught.value.param == "stop_sequences" and caught.value.message.startswith("stop_sequences ")
     assert checked({"temperature": 0.0, "seed": 3}) == {"temperature": 0.0, "seed": 3}
+
+
+@pytest.mark.parametrize("name", ["truncate", "raw_scores", "max_chunks_per_doc", "rank_fields"])
+def test_a_rerank_field_this_server_does_not_honour_is_refused(name: str) -> None:
+    from aiollama.server.rerank import rerank_request
+
+    with pytest.raises(BadRequest) as caught:
+        rerank_request({"query": "q", "documents": ["d"], name: True})
+    assert caught.value.param == name
