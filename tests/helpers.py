@@ -10,7 +10,9 @@ from typing import Any
 import anyio
 
 from aiollama import Completion, Engine, Statistics, Stream
+from aiollama.config import EngineConfig
 from aiollama.native import Batch, Context, DecodeStatus, Model, SamplerChain
+from aiollama.runner.executor import NativeExecutor
 
 GREEDY: dict[str, Any] = dict(temperature=0.0, ignore_eos=True)
 
@@ -47,6 +49,54 @@ async def gather(*streams: Stream) -> list[Completion]:
         for i in range(len(streams)):
             tg.start_soon(one, i)
     return [r for r in results if r is not None]
+
+
+class Gate:
+    """An executor factory for llama.cpp whose steps can be held: commands sent while the decode
+    thread waits inside a step all reach it before the next one, so that two runs batch alike. (A
+    row's logits depend on the batch around it: llama.cpp's CPU attention takes another path for 64
+    rows and more. Streams admitted across a few steps, as timing decides, do not sample alike.)"""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self._waiting = threading.Event()
+
+    def __call__(self, config: EngineConfig) -> Any:
+        assert config.model_path is not None
+        return _Held(NativeExecutor(config, config.model_path), self)
+
+    def _pass(self) -> None:
+        if not self._open.is_set():
+            self._waiting.set()
+            self._open.wait()
+
+    async def together(self, engine: Engine, start: Callable[[], list[Stream]]) -> list[Completion]:
+        """The completions of the streams ``start`` opens, all admitted in the same step: a
+        one-token stream is held in its step while they are sent."""
+        self._open.clear()
+        self._waiting.clear()
+        try:
+            held = engine.conversation("hold").stream(max_tokens=1, temperature=0.0, ignore_eos=True)
+            with anyio.fail_after(20):
+                while not self._waiting.is_set():
+                    await anyio.sleep(0.002)
+            streams = start()
+        finally:
+            self._open.set()
+        return (await gather(held, *streams))[1:]
+
+
+class _Held:
+    def __init__(self, inner: NativeExecutor, gate: Gate) -> None:
+        self._inner, self._gate = inner, gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def execute(self, plan: Any, on_decode: Any = None) -> Any:
+        self._gate._pass()
+        return self._inner.execute(plan, on_decode)
 
 
 def first_greedy_tokens(model: Model, prompts: list[list[int]], *, together: bool) -> list[int]:

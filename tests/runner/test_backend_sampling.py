@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from helpers import gather
+from helpers import Gate
 
 from aiollama import Engine, EngineConfig, InvalidRequestError
 from aiollama.native import Batch, Context, Model, SamplerChain, sample_rows
@@ -48,9 +48,14 @@ def test_a_chain_in_the_graph_chooses_the_token_its_logits_give(tiny_path: Path)
 
 
 async def streams(model: Path, backend: bool, n_ctx: int = 8192, **params: Any) -> list[tuple[int, ...]]:
-    async with Engine(model, n_ctx=n_ctx, n_seq_max=8, backend_sampling=backend) as engine:
-        convs = [engine.conversation(p) for p in PROMPTS]
-        outs = await gather(*[c.stream(max_tokens=32, ignore_eos=True, **params) for c in convs])
+    gate = Gate()
+    async with Engine(model, executor=gate, n_ctx=n_ctx, n_seq_max=9, backend_sampling=backend) as engine:
+        convs: list[Any] = []  # opened while the gate holds the decode thread, kept open to the end
+
+        def start() -> list[Any]:
+            convs.extend(engine.conversation(p) for p in PROMPTS)
+            return [c.stream(max_tokens=32, ignore_eos=True, **params) for c in convs]
+        outs = await gate.together(engine, start)
         return [tuple(o.tokens) for o in outs]
 
 
@@ -78,11 +83,16 @@ async def test_rows_that_are_read_are_sampled_beside_the_graph(tiny_path: Path) 
         seen.append(len(tokens))
 
     async def run(backend: bool) -> list[tuple[Any, ...]]:
-        async with Engine(tiny_path, n_ctx=256, n_seq_max=6, backend_sampling=backend) as engine:
-            convs = [engine.conversation(p * 3) for p in PROMPTS[:6]]
-            extra = [dict(logprobs=True, top_logprobs=2), dict(logits_processors=[processor])]
-            outs = await gather(*[c.stream(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                           **(extra[i] if i < 2 else {})) for i, c in enumerate(convs)])
+        gate = Gate()
+        async with Engine(tiny_path, executor=gate, n_ctx=256, n_seq_max=6, backend_sampling=backend) as engine:
+            convs: list[Any] = []
+            extra: list[dict[str, Any]] = [dict(logprobs=True, top_logprobs=2), dict(logits_processors=[processor])]
+
+            def start() -> list[Any]:
+                convs.extend(engine.conversation(p * 3) for p in PROMPTS[:6])
+                return [c.stream(max_tokens=40, temperature=0.0, ignore_eos=True, **(extra[i] if i < 2 else {}))
+                        for i, c in enumerate(convs)]
+            outs = await gate.together(engine, start)
             preempted = engine.statistics().preemptions
             return [(o.tokens, [round(x.logprob or 0.0, 4) for x in o.logprobs or []]) for o in outs] + [preempted]
 
