@@ -47,7 +47,11 @@ class EngineConfig:
     them (all 256 for a 49k vocabulary, 64 for a 262k one), and at least 32.
     ``host_cache_bytes`` is the host memory that cached prefixes and preempted streams are parked in
     when the context needs their cells (0 turns it off: they are dropped and evaluated again when
-    needed). ``checkpoint_bytes`` is the host memory for checkpoints of recurrent states, with a
+    needed). ``cache_dir`` adds a tier on disk under it, of at most ``cache_disk_bytes`` for the
+    whole directory: closed conversations' cached prefixes and states leaving host memory are
+    written there, least recently used removed first, and a prompt that begins with one reads it
+    back instead of evaluating it, after a restart too; engines of one host may share the
+    directory. ``checkpoint_bytes`` is the host memory for checkpoints of recurrent states, with a
     recurrent or hybrid model (Mamba, LFM2, Granite-4.0-H, Qwen3.5...): with none (0), a rewind or a
     prefix that ends before what a holder holds evaluates from the start. ``context_shift`` is the
     default policy for a history that outgrows the context: False
@@ -97,6 +101,8 @@ class EngineConfig:
     max_queued: int = 1024
     cache_seq_ids: int | None = None
     host_cache_bytes: int = 2 * 2**30
+    cache_dir: Path | None = None
+    cache_disk_bytes: int = 20 * 2**30
     checkpoint_bytes: int = 512 * 2**20
     context_shift: bool = False
     n_keep: int = 0
@@ -136,6 +142,11 @@ class EngineConfig:
         integer("draft_tokens", self.draft_tokens, low=0, high=MAX_DRAFT_TOKENS)
         integer("host_cache_bytes", self.host_cache_bytes, low=0)
         integer("checkpoint_bytes", self.checkpoint_bytes, low=0)
+        integer("cache_disk_bytes", self.cache_disk_bytes, low=1)
+        if self.cache_dir is not None:
+            if not isinstance(self.cache_dir, (str, os.PathLike)):
+                raise InvalidRequestError(f"cache_dir must be a path, got {self.cache_dir!r}")
+            object.__setattr__(self, "cache_dir", Path(self.cache_dir))
         integer("n_keep", self.n_keep, low=0)
         if not isinstance(self.context_shift, bool):
             raise InvalidRequestError(f"context_shift must be a bool, got {self.context_shift!r}")

@@ -70,6 +70,11 @@ def add_serve(serve: argparse.ArgumentParser) -> None:
                        help="CPU threads (default: the CPUs this process may use)")
     serve.add_argument("--host-cache-mib", "-cram", "--cache-ram", type=int, default=EngineConfig.host_cache_bytes >> 20,
                        help="host memory for parked KV states, MiB (0: off)")
+    serve.add_argument("--cache-dir", default=None,
+                       help="a directory for the prefix cache's tier on disk: cached prefixes survive a restart, "
+                            "and servers of one host may share it (default: none)")
+    serve.add_argument("--cache-disk-gib", type=float, default=EngineConfig.cache_disk_bytes / 2**30,
+                       help="the most the --cache-dir directory holds, GiB (least recently used files go first)")
     serve.add_argument("--checkpoint-mib", type=int, default=EngineConfig.checkpoint_bytes >> 20,
                        help="host memory for checkpoints of a recurrent or hybrid model's states, MiB (0: off)")
     serve.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", type=layers, default=EngineConfig.n_gpu_layers,
@@ -230,6 +235,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {"n_ctx": serve_n_ctx(args), "n_seq_max": args.n_seq_max, "max_queued": args.max_queued,
                "n_batch": args.n_batch, "n_gpu_layers": args.n_gpu_layers, "n_threads": args.threads,
                "host_cache_bytes": args.host_cache_mib << 20, "checkpoint_bytes": args.checkpoint_mib << 20,
+               "cache_dir": args.cache_dir, "cache_disk_bytes": int(args.cache_disk_gib * 2**30),
                "draft_tokens": args.draft_tokens, "draft_model": args.draft_model, "deterministic": args.deterministic,
                "backend_sampling": args.backend_sampling, "kv_unified": args.unified_cache,
                "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v, "flash_attn": args.flash_attn,

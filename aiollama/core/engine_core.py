@@ -21,14 +21,16 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 from aiollama.config import EngineConfig
 from aiollama.core.commands import Admission, Command, Portal
+from aiollama.core.diskcache import DiskCache
 from aiollama.core.generations import Generations, stats_of
 from aiollama.core.handlers import Handlers
 from aiollama.core.outbox import Outbox, wake
 from aiollama.core.outputs import STEP_BUCKETS, FinishReason, Statistics
-from aiollama.errors import DecodeError, EngineDead
+from aiollama.errors import DecodeError, EngineDead, InvalidRequestError
 from aiollama.sched import Scheduler, SchedulerConfig
 from aiollama.sched.step import Executor, Plan, StepResult, StepStatus
 
@@ -52,7 +54,8 @@ class EngineCore:
         self.executor = executor
         self.config = config
         self.admission = admission
-        self.scheduler = Scheduler(scheduler_config(executor, config))
+        self.disk = open_disk(executor, config)
+        self.scheduler = Scheduler(scheduler_config(executor, config), disk=self.disk)
         self.outbox = Outbox()
         self.generations = Generations(admission, self.outbox, executor.n_ctx)
         self.prefilling: frozenset[int] = frozenset()  # a cancel of these aborts the running decode
@@ -71,6 +74,8 @@ class EngineCore:
     def step(self) -> None:
         started = time.perf_counter()
         plan = self.schedule()
+        if self.disk is not None and not plan.slices and not plan.ops and self.scheduler.loading:
+            self.disk.wait(0.005)  # only reads from disk are pending: wait for one, not spin
         result = self.execute(plan)
         self.update(plan, result)
         self.deliver(plan, started)
@@ -198,7 +203,37 @@ class EngineCore:
             **vars(self.scheduler.statistics()), tokens_evaluated=c.tokens_evaluated,
             tokens_generated=c.tokens_generated, decode_steps=c.decode_steps, aborted_steps=c.aborted_steps,
             decode_seconds=c.decode_seconds, step_seconds=c.step_seconds, step_histogram=tuple(self._step_counts),
-            weights_device=self.executor.placement, kv_device=self.executor.placement)
+            weights_device=self.executor.placement, kv_device=self.executor.placement,
+            disk_entries=self.disk.n_entries if self.disk else 0, disk_bytes=self.disk.n_bytes if self.disk else 0)
+
+    def close(self) -> None:
+        """The engine stops: the copies for disk that the last closes asked for are made, and the
+        queued writes finish."""
+        if self.disk is None:
+            return
+        try:
+            ops = self.scheduler.take_ops()
+            if ops:
+                plan = Plan(ops)
+                self.scheduler.update(plan, self.executor.execute(plan))
+        except Exception:  # noqa: BLE001 - a dead executor: what it could not copy is not cached
+            pass
+        finally:
+            self.disk.close()
+
+
+def open_disk(executor: Executor, config: EngineConfig) -> DiskCache | None:
+    """The disk tier of ``config.cache_dir``, for the states of this model and cache layout."""
+    if config.cache_dir is None:
+        return None
+    try:
+        ours = version("aiollama")
+    except PackageNotFoundError:
+        ours = "source"
+    try:
+        return DiskCache(config.cache_dir, config.cache_disk_bytes, executor.fingerprint, ours)
+    except OSError as exc:
+        raise InvalidRequestError(f"cache_dir {config.cache_dir}: {exc}") from None
 
 
 def scheduler_config(executor: Executor, config: EngineConfig) -> SchedulerConfig:

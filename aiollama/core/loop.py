@@ -122,8 +122,13 @@ class DecodeLoop:
         try:
             try:
                 executor = self._open_executor()
+            except BaseException as exc:
+                self._startup_error = exc
+                return
+            try:
                 core = EngineCore(executor, self.config, self.admission)
             except BaseException as exc:
+                executor.close()
                 self._startup_error = exc
                 return
             self.tokenizer, self.n_ctx, outbox = executor.tokenizer, executor.n_ctx, core.outbox
@@ -140,6 +145,7 @@ class DecodeLoop:
                 self.dead = dead
                 core.fail_all(dead)
             finally:
+                core.close()
                 executor.close()
         finally:
             self._answer_leftovers(outbox, self.dead or EngineClosed("the engine is closed"))

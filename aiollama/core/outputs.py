@@ -167,6 +167,9 @@ class Statistics:
     checkpoints_used: int = 0  # states put back from a checkpoint (a rewind, a prefix hit, a failed step)
     drafted_tokens: int = 0  # speculative draft tokens verified (n-gram or draft model)
     accepted_tokens: int = 0  # of those, the tokens the sampler took (each saved a decode step)
+    disk_loads: int = 0  # states read back from the disk tier (see EngineConfig.cache_dir)
+    disk_entries: int = 0  # states of this model on disk now
+    disk_bytes: int = 0
     weights_device: str = "CPU"  # where the weights are: CPU, CUDA0, or "CUDA0 (20 of 31 layers), CPU"
     kv_device: str = "CPU"  # where the KV cache is (each layer's beside its weights)
 

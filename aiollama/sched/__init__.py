@@ -6,7 +6,8 @@ radix tree of cached prefixes, host memory (``kvcache``, ``kvtree``, ``hostcache
 This package's namespace is the scheduler's face: the decode thread imports it and the step types
 (``aiollama.sched.step``), nothing else of the layer."""
 
+from aiollama.sched.hostcache import TokenTrie
 from aiollama.sched.scheduler import Scheduler
 from aiollama.sched.views import Held, Progress, SchedulerConfig, SchedulerStats
 
-__all__ = ["Held", "Progress", "Scheduler", "SchedulerConfig", "SchedulerStats"]
+__all__ = ["Held", "Progress", "Scheduler", "SchedulerConfig", "SchedulerStats", "TokenTrie"]

@@ -216,10 +216,10 @@ class KVManager:
             if seq.entry:
                 del seq.tokens[seq.n_cached:]
 
-    def park(self, seq: SeqState) -> None:
-        """Copy ``seq``'s cells to host memory (the bytes come with the step's result)."""
+    def park(self, seq: SeqState, to_disk: bool = False) -> None:
+        """Copy ``seq``'s cells to host memory, or via it to disk (the bytes come with the step's result)."""
         assert seq.seq_id is not None
-        key = self.host.reserve(seq.tokens[:seq.n_cached], self.tick(), seq.salt)
+        key = self.host.reserve(seq.tokens[:seq.n_cached], self.tick(), seq.salt, to_disk)
         self._ops.append(Park(seq.seq_id, key))
         self.parks += 1
 

@@ -114,6 +114,8 @@ class Planner:
     def _admit(self) -> None:
         while self.queues.waiting and len(self.queues.running) < self.max_running:
             seq = self.queues.next_waiting()
+            if seq is None:
+                return
             group = (seq, seq.guide) if seq.guide is not None else (seq,)
             if self.queues.running:  # room for the running ones to finish their prompts, then for this one
                 need = sum(max(1, s.pending) for s in self.queues.running)

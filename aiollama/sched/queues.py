@@ -114,12 +114,12 @@ class Queues:
         """KV operations decided outside a plan (a close between steps); they also lead the next plan."""
         return self.kv.take_ops()
 
-    def next_waiting(self) -> SeqState:
+    def next_waiting(self) -> SeqState | None:
         """The waiting generation to admit next: the lowest priority value after aging, then the
-        preempted, then the first come."""
+        preempted, then the first come; of those not waiting for a state from disk."""
         now = self.clock()
-        return min(self.waiting, key=lambda s: (s.priority - int((now - s.queued_at) / AGING_SECONDS),
-                                                 not s.preempted, s.queued_at))
+        return min((s for s in self.waiting if s.loading is None), default=None,
+                   key=lambda s: (s.priority - int((now - s.queued_at) / AGING_SECONDS), not s.preempted, s.queued_at))
 
     def preempt_newest(self, only_if_several: bool) -> set[int]:
         """Preempt the running generation that gives way first (see room.fit)."""

@@ -42,6 +42,7 @@ from aiollama.sched.checkpoints import CheckpointStore
 from aiollama.sched.hostcache import HostCache
 from aiollama.sched.kvcache import KVManager
 from aiollama.sched.kvtree import common_prefix
+from aiollama.sched.ondisk import keep_on_disk, load_before_admission, take_arrivals
 from aiollama.sched.planner import MIN_PREFILL_CHUNK, Planner
 from aiollama.sched.queues import AGING_SECONDS, Queues
 from aiollama.sched.recurrent import RecurrentKV
@@ -49,16 +50,16 @@ from aiollama.sched.sequence import Phase, SeqState
 from aiollama.sched.sharing import CellRules, Rules, StateRules
 from aiollama.sched.shifting import shift_size
 from aiollama.sched.speculation import DraftLength
-from aiollama.sched.step import Op, Plan, StepResult
+from aiollama.sched.step import DiskTier, Op, Plan, StepResult
 from aiollama.sched.views import Held, Progress, SchedulerConfig, SchedulerStats
 
 __all__ = ["AGING_SECONDS", "MIN_PREFILL_CHUNK", "Scheduler", "SchedulerConfig", "common_prefix"]
 
 
-def memory_rules(config: SchedulerConfig) -> Rules:
+def memory_rules(config: SchedulerConfig, disk: DiskTier | None = None) -> Rules:
     """The KV manager of a model's memory and its rules: cells, or cells and recurrent states
     (hybrid), or recurrent states alone."""
-    n_cells, host = config.n_cells or config.n_ctx, HostCache(config.host_bytes)
+    n_cells, host = config.n_cells or config.n_ctx, HostCache(config.host_bytes, disk)
     if config.memory == "kv":
         return CellRules(KVManager(n_cells, config.n_seq_max, host, ordered=config.ordered))
     return StateRules(RecurrentKV(n_cells, config.n_seq_max, host, checkpoints=CheckpointStore(config.checkpoint_bytes),
@@ -72,13 +73,17 @@ class Scheduler:
     Its face is all the decode thread uses: what callers asked for (:meth:`add`, :meth:`append`,
     :meth:`fork`, :meth:`rewind`, :meth:`submit`, :meth:`finish`, :meth:`remove`), the step
     (:meth:`schedule`, :meth:`update`), and typed reads (:meth:`progress`, :meth:`held`,
-    :meth:`statistics`). The KV manager and the queues are its own.
+    :meth:`statistics`). The KV manager and the queues are its own. ``disk``: the prefix cache's
+    tier under host memory (:mod:`~aiollama.sched.ondisk`).
     """
 
-    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic,
+                 disk: DiskTier | None = None) -> None:
         self.config = config
         self.n_ctx = config.n_ctx
-        self._rules = memory_rules(config)
+        self.disk = disk
+        self.disk_loads = 0  # states read from disk into host memory
+        self._rules = memory_rules(config, disk)
         self._kv = self._rules.kv
         self._queues = Queues(self._kv, clock)
         self._plan = Planner(config, self._rules, self._queues)
@@ -107,8 +112,11 @@ class Scheduler:
         self._queues.set_lora(conv, lora)
 
     def clear_cache(self) -> None:
-        """Drop every cache entry, parked state and checkpoint (live conversations keep theirs)."""
+        """Drop every cache entry, parked state, checkpoint and state on disk (live conversations
+        keep theirs)."""
         self._kv.clear_cache()
+        if self.disk is not None:
+            self.disk.clear()
 
     def take_ops(self) -> tuple[Op, ...]:
         """KV operations decided outside a plan (a close between steps); they also lead the next plan."""
@@ -145,6 +153,11 @@ class Scheduler:
     def busy(self) -> bool:
         return self._queues.busy
 
+    @property
+    def loading(self) -> bool:
+        """A generation waits for a state from disk (and nothing else can run)."""
+        return any(s.loading is not None for s in self._queues.waiting)
+
     def statistics(self) -> SchedulerStats:
         kv, q = self._kv, self._queues
         return SchedulerStats(
@@ -154,7 +167,8 @@ class Scheduler:
             cache_hit_tokens=self._plan.cache_hit_tokens, parked=len(kv.host), parked_bytes=kv.host.used_bytes,
             parks=kv.parks, restores=kv.restores, evictions=kv.evictions, preemptions=q.preemptions,
             compactions=kv.compactions, checkpoints=len(kv.checkpoints), checkpoint_bytes=kv.checkpoints.n_bytes,
-            checkpoints_used=kv.checkpoints.used, drafted_tokens=self._plan.drafted, accepted_tokens=self._plan.accepted)
+            checkpoints_used=kv.checkpoints.used, drafted_tokens=self._plan.drafted, accepted_tokens=self._plan.accepted,
+            disk_loads=self.disk_loads)
 
     # saving and loading a conversation's state
 
@@ -227,6 +241,8 @@ class Scheduler:
             partner.priority = priority
             self._plan.pairs += 1
         self._queues.waiting.append(seq)
+        if partner is None and not score:
+            load_before_admission(self._rules, self.disk, seq)
         return dropped
 
     def finish(self, conv: int) -> None:
@@ -248,8 +264,9 @@ class Scheduler:
         self._plan.idle_changed = True
 
     def remove(self, conv: int) -> None:
-        """The conversation is closed: its cached prefix stays as a cache entry."""
+        """The conversation is closed: its cached prefix stays as a cache entry (and goes to disk)."""
         self.finish(conv)
+        keep_on_disk(self._rules, self.disk, self._queues.seqs[conv])
         self._kv.retire(self._queues.seqs.pop(conv))
         self._queues.images.drop(conv)
 
@@ -259,6 +276,7 @@ class Scheduler:
         """The next step's plan. Building it has effects: admissions, prefix sharing, evictions,
         parking, context shifts and preemptions are decided here, and their KV operations lead the
         plan."""
+        self.disk_loads += take_arrivals(self._rules, self.disk, self._queues.waiting)
         return self._plan.schedule()
 
     def update(self, plan: Plan, result: StepResult) -> bool:

@@ -40,6 +40,7 @@ class SeqState:
     priority: int = 0  # of the current generation: lower values are admitted, evaluated and kept first
     queued_at: float = 0.0  # when it was submitted (its priority improves with the wait)
     preempted: bool = False  # waits after a preemption: first among its equals
+    loading: str | None = None  # waits for the state of its prefix to be read from disk (the file's name)
     guide: SeqState | None = None  # classifier-free guidance: the sequence decoded in lockstep with it
     owner: SeqState | None = None  # this sequence guides ``owner``'s generation
     # what the current generation cost (reset when it is submitted)

@@ -31,9 +31,14 @@ class CellRules:
     """A transformer's cache: cells are shared up to any position, and cut back anywhere."""
 
     drafts = True  # cells past a rejected draft token can be removed, so steps may carry drafts
+    whole_states = False  # a parked state may be put back and cut to any prefix of it
 
     def __init__(self, kv: KVManager) -> None:
         self.kv = kv
+
+    def cached_prefix(self, seq: SeqState, limit: int) -> int:
+        """The most of ``seq``'s first ``limit`` tokens a holder has cached."""
+        return self.kv.find(seq.tokens, limit, seq.salt)[1]
 
     def share_cached(self, seq: SeqState, limit: int) -> bool:
         """``seq``, just admitted, starts with the longest prefix of its first ``limit`` tokens that
@@ -69,9 +74,14 @@ class StateRules:
     state is shared whole or from a checkpoint, and cannot be cut back past a rejected draft."""
 
     drafts = False
+    whole_states = True  # a parked state is put back whole or not at all
 
     def __init__(self, kv: RecurrentKV) -> None:
         self.kv = kv
+
+    def cached_prefix(self, seq: SeqState, limit: int) -> int:
+        """The most of ``seq``'s first ``limit`` tokens a whole holder or a checkpoint gives."""
+        return self.kv.find_state(seq.tokens, limit, seq.salt)[1]
 
     def share_cached(self, seq: SeqState, limit: int) -> bool:
         """Start from the most of ``seq``'s first ``limit`` tokens that a whole holder, a checkpoint

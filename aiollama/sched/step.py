@@ -262,3 +262,38 @@ class Executor(Protocol):
     def write_state(self, seq_id: int, data: bytes) -> bool:
         """Replace ``seq_id``'s cells with a copy; False (and ``seq_id`` empty) if it does not fit."""
         ...
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    """A state on disk: its file's name, the tokens and salt it is the state of, its size."""
+
+    name: str
+    tokens: tuple[int, ...] = field(repr=False)
+    salt: str | None
+    n_bytes: int
+
+
+class DiskTier(Protocol):
+    """The prefix cache's tier under host memory (see :mod:`aiollama.core.diskcache`): looked up on
+    the decode thread, read and written by a thread of its own."""
+
+    def has(self, tokens: Sequence[int], salt: str | None) -> bool:
+        """Whether the state of exactly ``tokens`` is on disk or being written."""
+        ...
+
+    def best(self, tokens: Sequence[int], limit: int, salt: str | None) -> tuple[DiskEntry | None, int]:
+        """The entry of ``salt`` sharing the longest prefix with ``tokens``, and that length (at most ``limit``)."""
+        ...
+
+    def write(self, tokens: Sequence[int], salt: str | None, data: bytes) -> None: ...
+
+    def read(self, entry: DiskEntry) -> None:
+        """Start reading ``entry``: its bytes come with a later :meth:`arrivals`."""
+        ...
+
+    def arrivals(self) -> list[tuple[str, tuple[int, ...], str | None, bytes | None]]:
+        """The reads done since the last call: name, tokens, salt and the state (None: it was bad)."""
+        ...
+
+    def clear(self) -> None: ...

@@ -102,3 +102,4 @@ class SchedulerStats:
     checkpoints_used: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    disk_loads: int = 0

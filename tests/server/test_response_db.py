@@ -1,5 +1,5 @@
 """Stored responses on disk: bounded as in memory, shared by processes, and continued after a
-server restart from the history a previous process stored."""
+server restart from the history a previous process stored (its state read back from the disk tier)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_two_processes_share_one_file(tmp_path: Path) -> None:
 
 async def test_a_chain_goes_on_after_a_restart(tmp_path: Path, tiny_path: Path) -> None:
     options = ("--n-ctx", "4096", "--model-name", "tiny", "--log-level", "warning",
-               "--responses-db", str(tmp_path / "responses.db"))
+               "--responses-db", str(tmp_path / "responses.db"), "--cache-dir", str(tmp_path / "kv"))
     first = Server(tiny_path, *options)
     try:
         async with first.client() as c:
@@ -68,6 +68,8 @@ async def test_a_chain_goes_on_after_a_restart(tmp_path: Path, tiny_path: Path) 
             two = await c.responses.create(model="tiny", input="And the sky?", previous_response_id=one.id,
                                            max_output_tokens=8, temperature=0)
             assert two.usage.input_tokens > one.usage.input_tokens + one.usage.output_tokens
+            # the first answer's state came back from the disk tier instead of being evaluated again
+            assert two.usage.input_tokens_details.cached_tokens >= one.usage.input_tokens
             await c.responses.delete(one.id)
             with pytest.raises(Exception) as gone:
                 await c.responses.retrieve(one.id)
