@@ -93,8 +93,8 @@ REFUSED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("every prompt's prefix is cached and shared; a request's cache_prompt false or cache_salt keeps it apart", (
         "--cache-prompt", "--no-cache-prompt")),
     ("continuous batching is how the engine runs", ("-nocb", "--no-cont-batching")),
-    ("there are no slot endpoints: every request is a conversation, and conversations are saved by the library", (
-        "--slots", "--slot-save-path")),
+    ("there are no slot endpoints: every request is a conversation, and conversations are saved by the library; "
+     "`--cache-dir` keeps cached prefixes on disk across restarts, without a call", ("--slots", "--slot-save-path")),
     ("there is no web UI", (
         "--ui", "--webui", "--ui-config", "--webui-config", "--ui-config-file", "--webui-config-file",
         "--ui-mcp-proxy", "--webui-mcp-proxy", "--no-ui-mcp-proxy", "--no-webui-mcp-proxy", "--media-path")),

@@ -64,6 +64,8 @@ class EngineCollector(Collector):
             ("host_parked_bytes", "Bytes of sequence states parked in host memory", s.parked_bytes),
             ("checkpoints", "Checkpoints of recurrent states kept in host memory", s.checkpoints),
             ("checkpoint_bytes", "Bytes of checkpoints of recurrent states", s.checkpoint_bytes),
+            ("disk_entries", "Sequence states of this model in the disk tier", s.disk_entries),
+            ("disk_bytes", "Bytes of sequence states of this model in the disk tier", s.disk_bytes),
         ]:
             yield GaugeMetricFamily(f"aiollama_{name}", help_text, value=value)
         for name, help_text, value in [
@@ -75,6 +77,7 @@ class EngineCollector(Collector):
             ("parks", "Sequence states copied out to host memory", s.parks),
             ("restores", "Sequence states put back from host memory", s.restores),
             ("checkpoints_used", "Recurrent states put back from a checkpoint", s.checkpoints_used),
+            ("disk_loads", "Sequence states read back from the disk tier", s.disk_loads),
             ("evictions", "Idle holders that gave KV cells back", s.evictions),
             ("preemptions", "Running generations stopped to free KV cells", s.preemptions),
             ("spec_decode_draft_tokens", "Speculative draft tokens verified", s.drafted_tokens),
