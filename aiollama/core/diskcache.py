@@ -3,8 +3,9 @@ restart and which several engines (replicas on one host) may share.
 
 Each file holds one state (what ``llama_state_seq_get_data`` copied out) and what it is the state
 of: the tokens, the cache salt (with the LoRA adapters in it) and the *namespace*, a digest of the
-model's fingerprint (its description, sizes, vocabulary and KV types), this package's version (which
-pins the llama.cpp build) and the file format. A file of another namespace belongs to another model
+model's fingerprint (its description, sizes, vocabulary and KV types), the model and adapter files'
+identities (:func:`file_identity`), this package's version (which pins the llama.cpp build) and the
+file format. A file of another namespace belongs to another model
 and is left alone; a file that is truncated, corrupt, or whose contents do not match its name is
 ignored with a warning and removed: it never becomes wrong tokens. Histories holding pictures are not
 written (their placeholders are numbered per process).
@@ -199,12 +200,13 @@ class DiskCache:
         path = self._path(entry.name)
         try:
             with open(path, "rb") as f:
-                raw = f.read()
+                size = os.fstat(f.fileno()).st_size
+                head = read_head(f)
+                data = f.read(size - len(head))  # the state, read once into the bytes it stays in
+            parsed = parse(self.namespace, entry.name, head, size, data)
         except FileNotFoundError:  # another engine removed it
             self._drop(entry.name)
             return None
-        try:
-            parsed = parse(self.namespace, entry.name, raw)
         except Damaged as exc:
             self._bad(path, str(exc))
             return None
@@ -280,6 +282,18 @@ class DiskCache:
     def _trim(self) -> None:
         for path in over_budget(self.directory, self.budget):
             self._unlink(path)
+
+
+def file_identity(path: str | os.PathLike[str]) -> str:
+    """A digest of a file's size and of three MiB of it (its start, middle and end): a model or an
+    adapter file told apart from another of the same shape without reading gigabytes."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for at in (0, max(0, size // 2 - 2**19), max(0, size - 2**20)):
+            f.seek(at)
+            h.update(f.read(2**20))
+    return h.hexdigest()
 
 
 def over_budget(directory: Path, budget: int) -> list[Path]:

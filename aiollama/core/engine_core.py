@@ -25,7 +25,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from aiollama.config import EngineConfig
 from aiollama.core.commands import Admission, Command, Portal
-from aiollama.core.diskcache import DiskCache
+from aiollama.core.diskcache import DiskCache, file_identity
 from aiollama.core.generations import Generations, stats_of
 from aiollama.core.handlers import Handlers
 from aiollama.core.outbox import Outbox, wake
@@ -223,7 +223,8 @@ class EngineCore:
 
 
 def open_disk(executor: Executor, config: EngineConfig) -> DiskCache | None:
-    """The disk tier of ``config.cache_dir``, for the states of this model and cache layout."""
+    """The disk tier of ``config.cache_dir``, for the states of this model file (two finetunes of
+    one architecture have the same fingerprint), these adapter files and this cache layout."""
     if config.cache_dir is None:
         return None
     try:
@@ -231,7 +232,9 @@ def open_disk(executor: Executor, config: EngineConfig) -> DiskCache | None:
     except PackageNotFoundError:
         ours = "source"
     try:
-        return DiskCache(config.cache_dir, config.cache_disk_bytes, executor.fingerprint, ours)
+        files = {"model": file_identity(config.model_path) if config.model_path else "",
+                 "lora": {name: file_identity(path) for name, path in sorted(config.lora.items())}}
+        return DiskCache(config.cache_dir, config.cache_disk_bytes, {**executor.fingerprint, **files}, ours)
     except OSError as exc:
         raise InvalidRequestError(f"cache_dir {config.cache_dir}: {exc}") from None
 

@@ -52,10 +52,10 @@ def read_head(f: BinaryIO) -> bytes:
     return head + header + f.read(4 * n_tokens)
 
 
-def parse(namespace: str, name: str, raw: bytes,
-          size: int | None = None) -> tuple[tuple[int, ...], str | None, bytes] | None:
-    """The tokens, salt and state in a file's bytes: the whole file (its state checked against its
-    digest), or its head (:func:`read_head`) of a file of ``size`` bytes, the state then empty.
+def parse(namespace: str, name: str, raw: bytes, size: int,
+          data: bytes | None = None) -> tuple[tuple[int, ...], str | None, bytes] | None:
+    """The tokens, salt and state of a file of ``size`` bytes, from its head (:func:`read_head`) and
+    with ``data``, the rest of it (then checked against its digest; without, the state is empty).
     None for a file of another namespace; raises one of ``Damaged`` for a damaged one."""
     if len(raw) < _PREFIX or not raw.startswith(MAGIC):
         raise ValueError("not a state file")
@@ -66,15 +66,14 @@ def parse(namespace: str, name: str, raw: bytes,
         return None
     n_tokens, n_bytes, salt = int(header["n_tokens"]), int(header["n_bytes"]), header["salt"]
     body_end = start + 4 * n_tokens
-    if len(raw) < body_end or (len(raw) if size is None else size) != body_end + n_bytes:
+    if len(raw) != body_end or size != body_end + n_bytes or (data is not None and len(data) != n_bytes):
         raise ValueError("truncated, or longer than its header says")
     tokens = tuple(int(t) for t in np.frombuffer(raw[start:body_end], dtype="<i4"))
     if file_name(namespace, tokens, salt) != name:
         raise ValueError("its tokens do not match its name")
-    data = raw[body_end:]
-    if size is None and _digest(raw[start:body_end], data) != header["sha256"]:
+    if data is not None and _digest(raw[start:body_end], data) != header["sha256"]:
         raise ValueError("its digest does not match")
-    return tokens, salt, data
+    return tokens, salt, data or b""
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:

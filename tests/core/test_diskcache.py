@@ -156,3 +156,14 @@ def test_a_temporary_file_left_by_a_dead_writer_goes(tmp_path: Path) -> None:
     with DiskCache(tmp_path, 2**24, MODEL, "1"):
         pass
     assert not stale.exists()
+
+
+def test_a_files_identity_tells_apart_files_of_one_size(tmp_path: Path) -> None:
+    from aiollama.core.diskcache import file_identity
+
+    base = bytes(range(256)) * (3 * 2**12)  # 3 MiB
+    one, copy, other = tmp_path / "one", tmp_path / "copy", tmp_path / "other"
+    one.write_bytes(base)
+    copy.write_bytes(base)
+    other.write_bytes(base[:-1] + b"\0")  # another finetune: the same shape, other weights
+    assert file_identity(one) == file_identity(copy) != file_identity(other)
