@@ -5,14 +5,20 @@
 1. The engine alone: an executor that decodes nothing and answers every row at once (no model),
    so each step's time is the engine's: planning, the finish rules, delivery to the event loop,
    statistics, with the consumers reading their streams on the event loop meanwhile (they share
-   the GIL with the decode thread). Fitted as ``a + b x streams`` over 1 to 64 streams.
+   the GIL with the decode thread). Fitted as ``a + b x streams`` over 1 to 256 streams.
 2. A real model: the time outside ``llama_decode`` per step with SmolLM2 (and the fast random
    model of ``benchmarks/run.py``), from the engine's own step timers (a step's time includes the
    delivery and statistics after its sampling); this adds sampling (the chains, shared out over
    the decode's threads) to part 1. Beside each level, the event loop's CPU time per step (the
    consumers' side, on the thread that runs this script): on a machine whose cores all decode, it
    is taken from the decode.
-3. After a decode: the same rows sampled right after ``llama_decode`` and again at once. On a CPU
+   The fast models run 8 to 256 streams, with the 49k and the 262k vocabulary: sampling over a
+   row grows with the vocabulary.
+3. A simulated device: the executor of part 1 whose every decode takes a set time with the GIL
+   released (as a GPU's would), beside the host's step time of part 1 at the same level: a step
+   takes host + device while the host waits for the device, max(host, device) once the next step
+   is planned while this one runs.
+4. After a decode: the same rows sampled right after ``llama_decode`` and again at once. On a CPU
    a decode streams the weights through the caches, so the first call finds none of its code and
    data there; the difference is what every step's Python and sampling pay on top of part 1.
 
@@ -49,7 +55,10 @@ from aiollama.sampling import SamplingParams  # noqa: E402
 from aiollama.sched.step import Plan, Sampled, StepResult, StepStatus  # noqa: E402
 
 TOKENS = 256
-LEVELS = (1, 8, 32, 64)
+LEVELS = (1, 8, 32, 128, 256)
+FAST_LEVELS = (8, 32, 128, 256)
+DEVICE_LEVELS = (8, 32, 128)
+DEVICE_SECONDS = 0.002  # a decode step of a small model on a GPU
 
 
 class NullExecutor:
@@ -97,6 +106,17 @@ class NullExecutor:
         return False
 
 
+class SimulatedDevice(NullExecutor):
+    """A decode that takes ``DEVICE_SECONDS`` with the GIL released, as a GPU's would."""
+
+    def execute(self, plan: Plan, on_decode: Callable[[], None] | None = None) -> StepResult:
+        if plan.slices:
+            if on_decode is not None:
+                on_decode()
+            time.sleep(DEVICE_SECONDS)
+        return StepResult(StepStatus.OK, tuple(Sampled(s.conv, 97, self._piece, False) for s in plan.slices if s.logits))
+
+
 async def per_step_us(engine: aiollama.Engine, batch: list[list[int]]) -> dict[str, float]:
     """Microseconds per step with these streams running: the decode thread's whole step and its time
     outside llama_decode; and the CPU time the event loop spent per step delivering and reading
@@ -131,7 +151,7 @@ def fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
 
 async def engine_alone(rounds: int) -> dict[str, Any]:
     rows = {}
-    async with aiollama.Engine(executor=NullExecutor, n_ctx=64 * (TOKENS + 64), n_seq_max=64) as engine:
+    async with aiollama.Engine(executor=NullExecutor, n_ctx=max(LEVELS) * (TOKENS + 64), n_seq_max=max(LEVELS)) as engine:
         await per_step_us(engine, [[65] * 16])
         for n in LEVELS:
             runs = [await per_step_us(engine, [[65 + i % 26] * 16 for i in range(n)]) for _ in range(rounds)]
@@ -140,17 +160,33 @@ async def engine_alone(rounds: int) -> dict[str, Any]:
     return {"levels": rows, "per_step_us": a, "per_stream_us": b}
 
 
-async def with_model(model: Path, threads: int, rounds: int) -> dict[str, Any]:
+async def simulated_device(rounds: int, host: dict[str, Any]) -> dict[str, Any]:
+    """Step time with a device that takes ``DEVICE_SECONDS`` a decode, against the host's own."""
+    rows = {}
+    top = max(DEVICE_LEVELS)
+    async with aiollama.Engine(executor=SimulatedDevice, n_ctx=top * (TOKENS + 64), n_seq_max=top) as engine:
+        await per_step_us(engine, [[65] * 16])
+        for n in DEVICE_LEVELS:
+            runs = [await per_step_us(engine, [[65 + i % 26] * 16 for i in range(n)]) for _ in range(rounds)]
+            step = min(r["step_us"] for r in runs)
+            own = host[str(n)]["outside_us"]
+            rows[str(n)] = {"step_us": step, "host_us": own, "device_us": 1e6 * DEVICE_SECONDS,
+                            "sum_us": own + 1e6 * DEVICE_SECONDS, "max_us": max(own, 1e6 * DEVICE_SECONDS)}
+    return {"device_s": DEVICE_SECONDS, "levels": rows}
+
+
+async def with_model(model: Path, threads: int, rounds: int, levels: Sequence[int] = (1, 8, 32)) -> dict[str, Any]:
     rows = {}
     with Model(model, vocab_only=True) as m:
         n_vocab = m.vocab.n_tokens
-    async with aiollama.Engine(model, n_ctx=32 * (TOKENS + 96), n_seq_max=32, n_threads=threads) as engine:
+    top = max(levels)
+    async with aiollama.Engine(model, n_ctx=top * (TOKENS + 96), n_seq_max=top, n_threads=threads) as engine:
         await per_step_us(engine, prompts(1, 16, n_vocab, seed=9))
-        for n in (1, 8, 32):
+        for n in levels:
             runs = [await per_step_us(engine, prompts(n, 64, n_vocab, seed=n)) for _ in range(rounds)]
             rows[str(n)] = min(runs, key=lambda r: r["outside_us"])
-    a, b = fit([1, 8, 32], [rows[str(n)]["outside_us"] for n in (1, 8, 32)])
-    return {"model": model.name, "levels": rows, "per_step_us": a, "per_stream_us": b}
+    a, b = fit(list(levels), [rows[str(n)]["outside_us"] for n in levels])
+    return {"model": model.name, "n_vocab": n_vocab, "levels": rows, "per_step_us": a, "per_stream_us": b}
 
 
 def after_decode(model: Path, threads: int, steps: int = 64) -> dict[str, Any]:
@@ -195,13 +231,20 @@ def markdown(r: dict[str, Any]) -> str:
             for n, row in e["levels"].items()]
     out += ["", f"Fit: **{e['per_step_us']:.0f} µs per step + {e['per_stream_us']:.1f} µs per stream**.", ""]
     for m in r["models"]:
-        out += [f"**{m['model']}**, {r['threads']} threads: time outside `llama_decode` per step (sampling "
-                "included; the event loop's CPU time beside it)", "",
+        out += [f"**{m['model']}** ({m['n_vocab']:,} tokens in its vocabulary), {r['threads']} threads: time "
+                "outside `llama_decode` per step (sampling included; the event loop's CPU time beside it)", "",
                 "| streams | step (µs) | outside llama_decode (µs) | event loop CPU per step (µs) |",
                 "|---:|---:|---:|---:|"]
         out += [f"| {n} | {row['step_us']:.0f} | {row['outside_us']:.0f} | {row['loop_cpu_us']:.0f} |"
                 for n, row in m["levels"].items()]
         out += ["", f"Fit: {m['per_step_us']:.0f} µs per step + {m['per_stream_us']:.1f} µs per stream.", ""]
+    d = r["simulated_device"]
+    out += [f"**A simulated device** ({1e3 * d['device_s']:.0f} ms a decode, the GIL released; no model): the "
+            "step against the host's own time (the engine alone, above) plus the device's, and against the "
+            "larger of the two (what planning the next step while this one runs would reach)", "",
+            "| streams | step (µs) | host + device (µs) | max(host, device) (µs) |", "|---:|---:|---:|---:|"]
+    out += [f"| {n} | {row['step_us']:.0f} | {row['sum_us']:.0f} | {row['max_us']:.0f} |" for n, row in d["levels"].items()]
+    out += [""]
     out += ["**Sampling right after a decode** (the default chain, `sample_rows`, µs per call): the same "
             "call repeated at once finds its code and data in the caches", "",
             "| model | rows | right after `llama_decode` | repeated |", "|---|---:|---:|---:|"]
@@ -217,8 +260,10 @@ async def main(args: argparse.Namespace) -> int:
                          "rounds": args.rounds}
     r["engine_alone"] = await engine_alone(args.rounds)
     print("engine alone", r["engine_alone"]["per_step_us"], r["engine_alone"]["per_stream_us"], flush=True)
-    models = [aiollama.default_model(), fast_model.path()]
-    r["models"] = [await with_model(m, threads, args.rounds) for m in models]
+    r["simulated_device"] = await simulated_device(args.rounds, r["engine_alone"]["levels"])
+    models = [aiollama.default_model(), *(fast_model.path(v) for v in fast_model.VOCABULARIES)]
+    r["models"] = [await with_model(models[0], threads, args.rounds)]
+    r["models"] += [await with_model(m, threads, args.rounds, FAST_LEVELS) for m in models[1:]]
     r["after_decode"] = [after_decode(m, threads) for m in models]
     save_results(r, "overhead" if not args.tag else f"overhead-{args.tag}", markdown(r))
     return 0

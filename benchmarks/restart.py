@@ -12,8 +12,8 @@ in-memory hit's with the disk tier, and round 1's fresh evaluation in the determ
 (``--deterministic``: logits independent of batch shapes) and without the disk tier. By default
 llama.cpp's CPU kernels are not batch-invariant: a hit evaluates the prompt's last token alone, not
 inside its chunk, and at a near tie may continue otherwise than a fresh evaluation (llama-server's
-slot restore alike). The disk's bytes per 1,000 tokens are the directory's size over the tokens it
-holds the state of.
+slot restore alike). The disk's bytes per 1,000 tokens are a file's size over the tokens it holds
+the state of.
 """
 
 from __future__ import annotations

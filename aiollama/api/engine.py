@@ -272,8 +272,9 @@ class Engine:
             await anyio.to_thread.run_sync(client.images.tokens, image)
 
     async def clear_cache(self) -> None:
-        """Drop the prefix cache: what closed conversations left in the KV cache, and every state
-        parked in host memory. Conversations still open keep theirs."""
+        """Drop the prefix cache: what closed conversations left in the KV cache, every state
+        parked in host memory, and this model's files in ``cache_dir``. Conversations still open
+        keep theirs."""
         await reply(self._client, lambda sink: self._client.send(ClearCache(sink)))
 
     async def load(self, path: str | os.PathLike[str]) -> Conversation:

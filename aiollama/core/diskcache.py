@@ -37,6 +37,9 @@ log = logging.getLogger("aiollama.disk")
 
 RESCAN_SECONDS = 1.0  # how often an idle worker looks for files other engines wrote
 STALE_TEMP_SECONDS = 3600.0  # a temporary file this old was left by a process that died writing it
+# States queued for writing take host memory until written: beyond this, new ones are not kept (a
+# disk slower than the states coming is a cache that misses, not memory that grows)
+MAX_QUEUED_BYTES = 1 << 30
 
 
 class DiskCache:
@@ -55,6 +58,8 @@ class DiskCache:
         self._tries: dict[str | None, TokenTrie[str]] = {}
         self._known: dict[str, int] = {}  # every file looked at (any namespace) -> its size then
         self._writing: set[str] = set()
+        self._queued_bytes = 0
+        self.skipped = 0  # states not written: the queue was full
         self._reading: set[str] = set()
         self._arrived: list[tuple[str, tuple[int, ...], str | None, bytes | None]] = []
         self._arrival = threading.Event()
@@ -86,7 +91,11 @@ class DiskCache:
         with self._lock:
             if name in self._entries or name in self._writing or len(data) > self.budget:
                 return
+            if self._queued_bytes + len(data) > MAX_QUEUED_BYTES:
+                self.skipped += 1
+                return
             self._writing.add(name)
+            self._queued_bytes += len(data)
         self._jobs.put(("write", (name, tuple(tokens), salt, data)))
 
     def read(self, entry: DiskEntry) -> None:
@@ -96,10 +105,6 @@ class DiskCache:
                 return
             self._reading.add(entry.name)
         self._jobs.put(("read", entry))
-
-    @property
-    def reading(self) -> bool:
-        return bool(self._reading)
 
     def arrivals(self) -> list[tuple[str, tuple[int, ...], str | None, bytes | None]]:
         with self._lock:
@@ -181,8 +186,8 @@ class DiskCache:
         return self.directory / (name + SUFFIX)
 
     def _write(self, name: str, tokens: tuple[int, ...], salt: str | None, data: bytes) -> None:
+        temp = self.directory / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            temp = self.directory / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
             with open(temp, "wb") as f:
                 for piece in encode(self.namespace, tokens, salt, data):
                     f.write(piece)
@@ -191,9 +196,13 @@ class DiskCache:
             os.replace(temp, self._path(name))
             self._add(DiskEntry(name, tokens, salt, self._path(name).stat().st_size))
             self.writes += 1
+        except OSError:  # a full disk: no half file stays
+            temp.unlink(missing_ok=True)
+            raise
         finally:
             with self._lock:
                 self._writing.discard(name)
+                self._queued_bytes -= len(data)
         self._trim()
 
     def _read(self, entry: DiskEntry) -> bytes | None:

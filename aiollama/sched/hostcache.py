@@ -18,6 +18,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from aiollama.formats.images import has_images
 from aiollama.sched.kvtree import common_prefix
 from aiollama.sched.step import DiskTier
 
@@ -163,7 +164,7 @@ class HostCache:
             self.dropped += 1
 
     def _spill(self, tokens: Sequence[int], salt: str | None, data: bytes) -> None:
-        if self.disk is not None and min(tokens, default=0) >= 0:  # placeholders of pictures are per process
+        if self.disk is not None and not has_images(tokens):  # placeholders of pictures are per process
             self.disk.write(tokens, salt, data)
 
     def best(self, tokens: Sequence[int], limit: int, salt: str | None = None) -> tuple[Parked | None, int]:

@@ -155,7 +155,7 @@ class Scheduler:
 
     @property
     def loading(self) -> bool:
-        """A generation waits for a state from disk (and nothing else can run)."""
+        """A generation waits for a state from disk."""
         return any(s.loading is not None for s in self._queues.waiting)
 
     def statistics(self) -> SchedulerStats:

@@ -167,3 +167,28 @@ def test_a_files_identity_tells_apart_files_of_one_size(tmp_path: Path) -> None:
     copy.write_bytes(base)
     other.write_bytes(base[:-1] + b"\0")  # another finetune: the same shape, other weights
     assert file_identity(one) == file_identity(copy) != file_identity(other)
+
+
+def test_states_beyond_the_write_queue_are_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from aiollama.core import diskcache
+
+    release = threading.Event()
+    real = diskcache.encode
+
+    def slow(*args: object) -> list[bytes]:  # a disk slower than the states coming
+        release.wait(10)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(diskcache, "encode", slow)
+    monkeypatch.setattr(diskcache, "MAX_QUEUED_BYTES", len(STATE) + 10)
+    with DiskCache(tmp_path, 2**24, MODEL, "1") as cache:
+        cache.write(TOKENS, None, STATE)
+        cache.write(TOKENS[:30], None, STATE)  # would hold twice the bound in memory: not kept
+        release.set()
+        settle(cache)
+        assert cache.skipped == 1 and cache.has(TOKENS, None) and not cache.has(TOKENS[:30], None)
+        cache.write(TOKENS[:30], None, STATE)  # the queue emptied: kept again
+        settle(cache)
+        assert cache.has(TOKENS[:30], None)
