@@ -47,3 +47,10 @@ def test_the_reply_parsing_benchmark_reads_a_short_reply_both_ways() -> None:
     import reply_parsing
     for template, tools, text in reply_parsing.cases(200).values():
         assert len(reply_parsing.run(template, tools, text, splice=True)) == 4
+
+
+def test_the_overhead_benchmarks_simulated_device_takes_its_time() -> None:
+    host = {str(n): {"outside_us": 100.0} for n in overhead.DEVICE_LEVELS}
+    r = anyio.run(overhead.simulated_device, 1, host)
+    assert set(r["levels"]) == {str(n) for n in overhead.DEVICE_LEVELS}
+    assert all(row["step_us"] >= 1e6 * overhead.DEVICE_SECONDS for row in r["levels"].values())

@@ -56,13 +56,19 @@ def harness(disk: FakeDisk) -> Harness:
     return h
 
 
-def test_a_closed_prefix_is_copied_to_disk_once() -> None:
-    disk = FakeDisk()
+def closed_on_disk(disk: FakeDisk) -> Harness:
+    """A conversation of ``PROMPT`` that generated 4 tokens and was closed: its prefix on ``disk``."""
     h = harness(disk)
     h.start(1, PROMPT, 4)
     h.run()
     h.sched.remove(1)
     h.step()  # the copy is made as the next step's operations run
+    return h
+
+
+def test_a_closed_prefix_is_copied_to_disk_once() -> None:
+    disk = FakeDisk()
+    h = closed_on_disk(disk)
     assert list(disk.files) == [(tuple(PROMPT + h.generated[1][:3]), None)]
     h.start(2, PROMPT + h.generated[1][:3], 2)  # the same history again: shared in memory, not read
     h.run()
@@ -71,11 +77,7 @@ def test_a_closed_prefix_is_copied_to_disk_once() -> None:
 
 def test_after_a_restart_the_prefix_comes_back_from_disk() -> None:
     disk = FakeDisk()
-    first = harness(disk)
-    first.start(1, PROMPT, 4)
-    first.run()
-    first.sched.remove(1)
-    first.step()
+    closed_on_disk(disk)
     h = harness(disk)  # a new process: nothing in memory
     h.start(2, PROMPT + [77, 78], 3)
     h.start(3, [500 + i for i in range(10)], 3)
@@ -93,11 +95,7 @@ def test_after_a_restart_the_prefix_comes_back_from_disk() -> None:
 
 def test_a_bad_read_evaluates_the_prompt() -> None:
     disk = FakeDisk()
-    first = harness(disk)
-    first.start(1, PROMPT, 4)
-    first.run()
-    first.sched.remove(1)
-    first.step()
+    closed_on_disk(disk)
     h = harness(disk)
     h.start(2, PROMPT + [77], 2)
     h.step()
