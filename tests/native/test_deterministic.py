@@ -296,6 +296,9 @@ async def test_without_re_laying_freed_cells_change_the_logits(tiny_path: Path,
     monkeypatch.setattr(KVManager, "__init__", unordered)
     monkeypatch.setattr(OrderedCells, "hold", no_tombstone)
     alone = await busy_logits(tiny_path, False, threads=1)
-    _, rows, stats = await busy_logits(tiny_path, True)
-    assert stats.compactions == 0
-    assert not all(np.array_equal(a, b) for a, b in zip(rows, alone[1]))
+    for _ in range(3):  # where the others' freed cells fall depends on when they come: one run may not show it
+        _, rows, stats = await busy_logits(tiny_path, True)
+        assert stats.compactions == 0
+        if not all(np.array_equal(a, b) for a, b in zip(rows, alone[1])):
+            return
+    pytest.fail("three runs whose freed cells were not re-laid gave the logits of the conversation alone")
