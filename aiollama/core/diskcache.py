@@ -55,6 +55,7 @@ class DiskCache:
         self.writes = self.loads = self.removed = 0
         self._lock = threading.Lock()
         self._entries: dict[str, DiskEntry] = {}
+        self._bytes = 0  # of the entries: read with every step's statistics, so kept, not summed
         self._tries: dict[str | None, TokenTrie[str]] = {}
         self._known: dict[str, int] = {}  # every file looked at (any namespace) -> its size then
         self._writing: set[str] = set()
@@ -107,6 +108,8 @@ class DiskCache:
         self._jobs.put(("read", entry))
 
     def arrivals(self) -> list[tuple[str, tuple[int, ...], str | None, bytes | None]]:
+        if not self._arrived:  # every step asks: no lock while nothing came
+            return []
         with self._lock:
             arrived, self._arrived = self._arrived, []
             self._arrival.clear()
@@ -122,6 +125,7 @@ class DiskCache:
             names = list(self._entries)
             self._entries.clear()
             self._tries.clear()
+            self._bytes = 0
         self._jobs.put(("remove", names))
 
     @property
@@ -130,7 +134,7 @@ class DiskCache:
 
     @property
     def n_bytes(self) -> int:
-        return sum(e.n_bytes for e in list(self._entries.values()))
+        return self._bytes
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until what is queued now is done."""
@@ -173,7 +177,7 @@ class DiskCache:
                 arg.set()
             else:
                 for name in arg:
-                    self._unlink(self._path(name))
+                    self._unlink(self.directory / _file(name))
 
     def _guarded(self, fn: Any, *args: Any) -> Any:
         try:
@@ -181,9 +185,6 @@ class DiskCache:
         except OSError as exc:  # a full or read-only disk costs the cache, never the engine
             log.warning("the disk cache in %s: %s", self.directory, exc)
             return None
-
-    def _path(self, name: str) -> Path:
-        return self.directory / (name + SUFFIX)
 
     def _write(self, name: str, tokens: tuple[int, ...], salt: str | None, data: bytes) -> None:
         temp = self.directory / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -193,8 +194,8 @@ class DiskCache:
                     f.write(piece)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(temp, self._path(name))
-            self._add(DiskEntry(name, tokens, salt, self._path(name).stat().st_size))
+            os.replace(temp, self.directory / _file(name))
+            self._add(DiskEntry(name, tokens, salt, (self.directory / _file(name)).stat().st_size))
             self.writes += 1
         except OSError:  # a full disk: no half file stays
             temp.unlink(missing_ok=True)
@@ -203,10 +204,11 @@ class DiskCache:
             with self._lock:
                 self._writing.discard(name)
                 self._queued_bytes -= len(data)
-        self._trim()
+        for path in over_budget(self.directory, self.budget):
+            self._unlink(path)
 
     def _read(self, entry: DiskEntry) -> bytes | None:
-        path = self._path(entry.name)
+        path = self.directory / _file(entry.name)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -271,6 +273,7 @@ class DiskCache:
         with self._lock:
             if entry.name not in self._entries:
                 self._entries[entry.name] = entry
+                self._bytes += entry.n_bytes
                 self._tries.setdefault(entry.salt, TokenTrie[str]()).insert(entry.tokens, entry.name)
         self._known[entry.name] = entry.n_bytes
 
@@ -278,6 +281,7 @@ class DiskCache:
         with self._lock:
             entry = self._entries.pop(name, None)
             if entry is not None:
+                self._bytes -= entry.n_bytes
                 self._tries[entry.salt].remove(entry.tokens, name)
 
     def _unlink(self, path: Path) -> None:
@@ -288,9 +292,9 @@ class DiskCache:
             pass
         self._drop(path.name[:-len(SUFFIX)])
 
-    def _trim(self) -> None:
-        for path in over_budget(self.directory, self.budget):
-            self._unlink(path)
+
+def _file(name: str) -> str:
+    return name + SUFFIX
 
 
 def file_identity(path: str | os.PathLike[str]) -> str:
