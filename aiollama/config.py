@@ -65,6 +65,11 @@ class EngineConfig:
     allows it (greedy, top-k/p, min-p, temperature, penalties, logit bias; no log-probabilities,
     logits processors, guidance, constraints or drafts): no logits row is read. It pays where rows
     are costly to move (a GPU); each change of a sequence's stream rebuilds the graph.
+    ``overlap`` plans and starts each step's decode before the last step's tokens are delivered,
+    so that the finish rules, detokenizing and delivery run while the device computes (see
+    docs/architecture.md, "Overlapped steps"); a row of a stream that the last step ended is decoded
+    and thrown away. None (the default) turns it on where the decode runs on a GPU: on a CPU,
+    ``llama_decode`` computes before it returns, so there is nothing to overlap.
     ``deterministic`` makes each conversation's logits independent of what runs beside it (see the
     README's numerics section for what is and is not promised): ggml-cpu's reference kernels, flash
     attention, no repacked weights, each sequence's cells in position order; CPU only.
@@ -110,6 +115,7 @@ class EngineConfig:
     draft_model: Path | None = None
     deterministic: bool = False
     backend_sampling: bool = False
+    overlap: bool | None = None
     kv_unified: bool = True
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
@@ -154,6 +160,8 @@ class EngineConfig:
             raise InvalidRequestError(f"deterministic must be a bool, got {self.deterministic!r}")
         if not isinstance(self.backend_sampling, bool):
             raise InvalidRequestError(f"backend_sampling must be a bool, got {self.backend_sampling!r}")
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise InvalidRequestError(f"overlap must be a bool or None, got {self.overlap!r}")
         if not isinstance(self.kv_unified, bool):
             raise InvalidRequestError(f"kv_unified must be a bool, got {self.kv_unified!r}")
         if self.deterministic and not self.kv_unified:

@@ -93,6 +93,9 @@ def add_serve(serve: argparse.ArgumentParser) -> None:
                        help="a smaller GGUF model with the same vocabulary that drafts instead of n-grams")
     serve.add_argument("--backend-sampling", "-bs", action="store_true",
                        help="sample inside the decode graph where a stream's sampler allows it (pays on a GPU)")
+    serve.add_argument("--overlap", type=switch, default=EngineConfig.overlap,
+                       help="plan and start each decode before the last step's tokens are delivered: on, off or "
+                            "auto (default: auto, on where the decode runs on a GPU)")
     cache = serve.add_mutually_exclusive_group()
     cache.add_argument("--split-cache", "-no-kvu", "--no-kv-unified", dest="unified_cache", action="store_false",
                        help="each request's cells its own share of the cache, as llama-server's slots (the default): "
@@ -237,7 +240,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                "host_cache_bytes": args.host_cache_mib << 20, "checkpoint_bytes": args.checkpoint_mib << 20,
                "cache_dir": args.cache_dir, "cache_disk_bytes": int(args.cache_disk_gib * 2**30),
                "draft_tokens": args.draft_tokens, "draft_model": args.draft_model, "deterministic": args.deterministic,
-               "backend_sampling": args.backend_sampling, "kv_unified": args.unified_cache,
+               "backend_sampling": args.backend_sampling, "overlap": args.overlap, "kv_unified": args.unified_cache,
                "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v, "flash_attn": args.flash_attn,
                "lora": _adapters(args.lora), "mmproj": args.mmproj,
                "chat_template": args.chat_template_file or args.chat_template, "reasoning": args.reasoning,

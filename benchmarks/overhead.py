@@ -15,9 +15,10 @@
    The fast models run 8 to 256 streams, with the 49k and the 262k vocabulary: sampling over a
    row grows with the vocabulary.
 3. A simulated device: the executor of part 1 whose every decode takes a set time with the GIL
-   released (as a GPU's would), beside the host's step time of part 1 at the same level: a step
-   takes host + device while the host waits for the device, max(host, device) once the next step
-   is planned while this one runs.
+   released, started by ``submit`` and waited for by ``collect`` (as a GPU's is), beside the host's
+   step time of part 1 at the same level: a plain step takes host + device, an overlapped one
+   (``overlap=True``) runs the last step's finish rules and delivery while the device computes.
+   And the sampler's pool: n rows of one decode sampled on 1 thread and on all of them.
 4. After a decode: the same rows sampled right after ``llama_decode`` and again at once. On a CPU
    a decode streams the weights through the caches, so the first call finds none of its code and
    data there; the difference is what every step's Python and sampling pay on top of part 1.
@@ -32,7 +33,7 @@ import datetime
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,14 +108,32 @@ class NullExecutor:
 
 
 class SimulatedDevice(NullExecutor):
-    """A decode that takes ``DEVICE_SECONDS`` with the GIL released, as a GPU's would."""
+    """A decode that takes ``DEVICE_SECONDS`` with the GIL released, as a GPU's would: ``submit``
+    starts it and returns (llama_decode queues a GPU's graph), ``collect`` waits for what is left
+    of it (reading the rows waits for the device)."""
+
+    placement = "simulated"
+    _done = 0.0
+    _plan: Plan | None = None
 
     def execute(self, plan: Plan, on_decode: Callable[[], None] | None = None) -> StepResult:
-        if plan.slices:
-            if on_decode is not None:
-                on_decode()
-            time.sleep(DEVICE_SECONDS)
-        return StepResult(StepStatus.OK, tuple(Sampled(s.conv, 97, self._piece, False) for s in plan.slices if s.logits))
+        if plan.slices and on_decode is not None:
+            on_decode()
+        self.submit(plan)
+        return self.collect()
+
+    def submit(self, plan: Plan) -> None:
+        self._plan, self._done = plan, time.perf_counter() + (DEVICE_SECONDS if plan.slices else 0.0)
+
+    def collect(self, discard: Collection[int] = ()) -> StepResult:
+        plan, self._plan = self._plan, None
+        assert plan is not None
+        left = self._done - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        gone = frozenset(s.conv for s in plan.slices if s.conv in discard)
+        return StepResult(StepStatus.OK, tuple(Sampled(s.conv, 97, self._piece, False) for s in plan.slices
+                                               if s.logits and s.conv not in gone), discarded=gone)
 
 
 async def per_step_us(engine: aiollama.Engine, batch: list[list[int]]) -> dict[str, float]:
@@ -161,17 +180,24 @@ async def engine_alone(rounds: int) -> dict[str, Any]:
 
 
 async def simulated_device(rounds: int, host: dict[str, Any]) -> dict[str, Any]:
-    """Step time with a device that takes ``DEVICE_SECONDS`` a decode, against the host's own."""
-    rows = {}
+    """Step time with a device that takes ``DEVICE_SECONDS`` a decode, against the host's own: the
+    plain loop and overlapped steps, alternating run by run."""
+    rows: dict[str, Any] = {}
     top = max(DEVICE_LEVELS)
-    async with aiollama.Engine(executor=SimulatedDevice, n_ctx=top * (TOKENS + 64), n_seq_max=top) as engine:
-        await per_step_us(engine, [[65] * 16])
+    engines = {overlap: aiollama.Engine(executor=SimulatedDevice, n_ctx=top * (TOKENS + 64), n_seq_max=top,
+                                        overlap=overlap) for overlap in (False, True)}
+    async with engines[False], engines[True]:
+        for engine in engines.values():
+            await per_step_us(engine, [[65] * 16])
         for n in DEVICE_LEVELS:
-            runs = [await per_step_us(engine, [[65 + i % 26] * 16 for i in range(n)]) for _ in range(rounds)]
-            step = min(r["step_us"] for r in runs)
+            steps: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(rounds):
+                for overlap, engine in engines.items():
+                    steps[overlap].append((await per_step_us(engine, [[65 + i % 26] * 16 for i in range(n)]))["step_us"])
             own = host[str(n)]["outside_us"]
-            rows[str(n)] = {"step_us": step, "host_us": own, "device_us": 1e6 * DEVICE_SECONDS,
-                            "sum_us": own + 1e6 * DEVICE_SECONDS, "max_us": max(own, 1e6 * DEVICE_SECONDS)}
+            rows[str(n)] = {"step_us": min(steps[False]), "overlapped_us": min(steps[True]), "host_us": own,
+                            "device_us": 1e6 * DEVICE_SECONDS, "sum_us": own + 1e6 * DEVICE_SECONDS,
+                            "max_us": max(own, 1e6 * DEVICE_SECONDS)}
     return {"device_s": DEVICE_SECONDS, "levels": rows}
 
 
@@ -192,8 +218,8 @@ async def with_model(model: Path, threads: int, rounds: int, levels: Sequence[in
 def after_decode(model: Path, threads: int, steps: int = 64) -> dict[str, Any]:
     """Microseconds to sample 1 and 8 rows right after a decode, and the same call repeated."""
     rows: dict[str, Any] = {}
-    with Model(model) as m, Context(m, n_ctx=2048, n_batch=512, n_seq_max=8, n_threads=threads) as ctx:
-        batch = Batch(512, 8)
+    with Model(model) as m, Context(m, n_ctx=2048, n_batch=512, n_seq_max=8, n_threads=threads) as ctx, \
+            Batch(512, 8) as batch:
         for i, p in enumerate(prompts(8, 64, m.vocab.n_tokens, seed=3)):
             batch.add_tokens(p, 0, i, output_last=True)
         ctx.decode(batch)
@@ -220,6 +246,33 @@ def after_decode(model: Path, threads: int, steps: int = 64) -> dict[str, Any]:
     return {"model": model.name, "levels": rows}
 
 
+def sampler_threads(model: Path, threads: int, levels: Sequence[int] = (8, 32, 128), steps: int = 16) -> dict[str, Any]:
+    """Microseconds to sample n rows of one decode with the default chain (temperature 0.7 over the
+    whole vocabulary), on 1 thread and on ``threads`` (what the engine gives ``sample_rows``)."""
+    rows: dict[str, Any] = {}
+    top = max(levels)
+    with Model(model) as m, Context(m, n_ctx=top * 8, n_batch=top, n_seq_max=top, n_threads=threads) as ctx, \
+            Batch(top, top) as batch:
+        for i in range(top):
+            batch.add(300 + i, 0, i, output=True)
+        ctx.decode(batch)
+        out = sorted(ctx.outputs)
+        for n in levels:
+            row: dict[str, float] = {}
+            for t in sorted({1, threads}):
+                best = float("inf")
+                for _ in range(steps):
+                    chains = [build_chain(m.vocab, SamplingParams(temperature=0.7, seed=i), []) for i in range(n)]
+                    t0 = time.perf_counter()
+                    sample_rows(ctx, chains, out[:n], t, [c.fast_k for c in chains])
+                    best = min(best, time.perf_counter() - t0)
+                    for c in chains:
+                        c.close()
+                row[str(t)] = 1e6 * best
+            rows[str(n)] = row
+    return {"model": model.name, "threads": threads, "levels": rows}
+
+
 def markdown(r: dict[str, Any]) -> str:
     e = r["engine_alone"]
     out = [f"Measured {r['date']} on {r['machine']['cpu']} ({r['machine']['cpus']} CPUs); {TOKENS} tokens a "
@@ -242,8 +295,15 @@ def markdown(r: dict[str, Any]) -> str:
     out += [f"**A simulated device** ({1e3 * d['device_s']:.0f} ms a decode, the GIL released; no model): the "
             "step against the host's own time (the engine alone, above) plus the device's, and against the "
             "larger of the two (what planning the next step while this one runs would reach)", "",
-            "| streams | step (µs) | host + device (µs) | max(host, device) (µs) |", "|---:|---:|---:|---:|"]
-    out += [f"| {n} | {row['step_us']:.0f} | {row['sum_us']:.0f} | {row['max_us']:.0f} |" for n, row in d["levels"].items()]
+            "| streams | plain step (µs) | overlapped step (µs) | host + device (µs) | max(host, device) (µs) |",
+            "|---:|---:|---:|---:|---:|"]
+    out += [f"| {n} | {row['step_us']:.0f} | {row['overlapped_us']:.0f} | {row['sum_us']:.0f} | {row['max_us']:.0f} |"
+            for n, row in d["levels"].items()]
+    t = str(r["threads"])
+    out += ["", "**Sampler threads** (`sample_rows` over n rows of one decode, the default chain at temperature 0.7, "
+            "µs per call, best of 16):", "", f"| model | rows | 1 thread | {t} threads |", "|---|---:|---:|---:|"]
+    for m in r["sampler_threads"]:
+        out += [f"| {m['model']} | {n} | {row['1']:.0f} | {row[t]:.0f} |" for n, row in m["levels"].items()]
     out += [""]
     out += ["**Sampling right after a decode** (the default chain, `sample_rows`, µs per call): the same "
             "call repeated at once finds its code and data in the caches", "",
@@ -265,6 +325,7 @@ async def main(args: argparse.Namespace) -> int:
     r["models"] = [await with_model(models[0], threads, args.rounds)]
     r["models"] += [await with_model(m, threads, args.rounds, FAST_LEVELS) for m in models[1:]]
     r["after_decode"] = [after_decode(m, threads) for m in models]
+    r["sampler_threads"] = [sampler_threads(m, threads) for m in models[1:]]
     save_results(r, "overhead" if not args.tag else f"overhead-{args.tag}", markdown(r))
     return 0
 

@@ -9,7 +9,7 @@ its output is the same whatever runs beside it, so any difference is the engine'
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from fake_kv import FakeKV
 
@@ -139,6 +139,7 @@ class FakeExecutor:
         self.guidance: dict[int, tuple[int, float]] = {}
         self.closed = False
         self._abort = threading.Event()
+        self._submitted: Plan | None = None
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
                        matcher: object = None, guidance: tuple[int, float] | None = None) -> None:
@@ -176,7 +177,21 @@ class FakeExecutor:
         finally:
             self._abort.clear()
 
-    def _execute(self, plan: Plan) -> StepResult:
+    # Overlapped steps: the decode runs in collect(), as a GPU's finishes when its rows are read.
+
+    def submit(self, plan: Plan) -> None:
+        assert self._submitted is None, "submit() twice without collect()"
+        self._submitted = plan
+
+    def collect(self, discard: Collection[int] = ()) -> StepResult:
+        plan, self._submitted = self._submitted, None
+        assert plan is not None, "collect() without submit()"
+        try:
+            return self._execute(plan, frozenset(s.conv for s in plan.slices if s.conv in discard))
+        finally:
+            self._abort.clear()
+
+    def _execute(self, plan: Plan, discard: frozenset[int] = frozenset()) -> StepResult:
         applied = self.kv.apply(plan.ops)
         if not plan.slices:
             return StepResult(StepStatus.OK, **applied)
@@ -198,6 +213,10 @@ class FakeExecutor:
         sampled = []
         rows = {s.conv: s for s in plan.slices if s.logits}
         for s in plan.slices:
+            if s.conv in discard:
+                if self.memory == "kv":
+                    self.kv.remove(s.seq_id, s.pos)  # a recurrent state keeps what it read
+                continue
             if not s.logits or s.conv not in self.sampling:
                 continue  # a guiding sequence's row: read by the stream it guides
             history = self.kv.tokens(s.seq_id)
@@ -217,7 +236,7 @@ class FakeExecutor:
                 sampled.append(self._sampled(s.conv, token, final))
             if taken < s.draft:
                 self.kv.remove(s.seq_id, s.pos + 1 + taken)
-        return StepResult(StepStatus.OK, tuple(sampled), **applied)
+        return StepResult(StepStatus.OK, tuple(sampled), **applied, discarded=discard)
 
     def _sampled(self, conv: int, token: int, final: bool) -> Sampled:
         return Sampled(conv, token, self.tokenizer.piece(token), token in (EOS, IM_END), final)

@@ -54,3 +54,10 @@ def test_the_overhead_benchmarks_simulated_device_takes_its_time() -> None:
     r = anyio.run(overhead.simulated_device, 1, host)
     assert set(r["levels"]) == {str(n) for n in overhead.DEVICE_LEVELS}
     assert all(row["step_us"] >= 1e6 * overhead.DEVICE_SECONDS for row in r["levels"].values())
+    # overlapped, a step still waits for the device: only the host's work can hide behind it
+    assert all(row["overlapped_us"] >= 1e6 * overhead.DEVICE_SECONDS for row in r["levels"].values())
+
+
+def test_the_overhead_benchmark_samples_on_one_thread_and_on_all(tiny_path: Path) -> None:
+    r = overhead.sampler_threads(tiny_path, 2, levels=(2, 4), steps=2)
+    assert set(r["levels"]) == {"2", "4"} and all(set(row) == {"1", "2"} for row in r["levels"].values())

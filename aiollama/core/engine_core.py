@@ -11,6 +11,13 @@
    while the decode computes, not while the decode thread waits for the GIL), or at once when no
    decode follows.
 
+Overlapped (``EngineConfig.overlap``; by default where the decode runs on a GPU, whose
+``llama_decode`` returns before the device finishes), step N+1 is planned and submitted right after
+step N's tokens are sampled and joined their histories, and step N's finish rules and delivery run
+while N+1 decodes: :meth:`EngineCore.settle`. A stream that step N ended still has a row in N+1: it
+is not sampled, and its cells are removed (``Scheduler.stopped``, ``StepResult.discarded``). The
+loop settles before it applies commands or waits, so commands always see a whole step.
+
 Commands from callers are applied between steps by :meth:`EngineCore.handle`. Everything here runs on
 the decode thread, except reads of ``statistics`` and ``prefilling``, which are replaced whole.
 It imports neither llama.cpp nor an event loop library.
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
@@ -32,7 +40,7 @@ from aiollama.core.outbox import Outbox, wake
 from aiollama.core.outputs import STEP_BUCKETS, FinishReason, Statistics
 from aiollama.errors import DecodeError, EngineDead, InvalidRequestError
 from aiollama.sched import Scheduler, SchedulerConfig
-from aiollama.sched.step import Executor, Plan, StepResult, StepStatus
+from aiollama.sched.step import Executor, Overlapped, Plan, StepResult, StepStatus
 
 MAX_NO_SLOT_RETRIES = 16
 
@@ -43,6 +51,7 @@ class _Counters:
     tokens_generated: int = 0
     decode_steps: int = 0
     aborted_steps: int = 0
+    discarded_tokens: int = 0
     decode_seconds: float = 0.0
     step_seconds: float = 0.0
 
@@ -64,6 +73,9 @@ class EngineCore:
         self._step_counts = [0] * (len(STEP_BUCKETS) + 1)
         self._no_slot_streak = 0
         self._unwoken: list[Portal] = []
+        self.overlapped = overlapped(executor, config)
+        self._settling: tuple[Plan, StepResult] | None = None  # a step whose finish rules and delivery wait
+        self._ended_in_flight: list[int] | None = None  # samplers to stop once the decode is collected
         self.handlers = Handlers(self)
         self.publish()
 
@@ -73,16 +85,42 @@ class EngineCore:
 
     def step(self) -> None:
         started = time.perf_counter()
-        plan = self.schedule()
+        plan = self.schedule(self.generations.ending(self._settling[1]) if self._settling else ())
         if self.disk is not None and not plan.slices and not plan.ops and self.scheduler.loading:
             self.disk.wait(0.005)  # only reads from disk are pending: wait for one, not spin
-        result = self.execute(plan)
-        self.update(plan, result)
-        self.deliver(plan, started)
+        if self.overlapped is None or not plan.slices:
+            self.settle()
+            result = self.execute(plan)
+            self.update(plan, result)
+            self.deliver(plan, started)
+            return
+        self.overlapped.submit(plan)
+        self._ended_in_flight = []
+        try:
+            self.settle()  # the last step's finish rules and delivery, while this one decodes
+        finally:
+            ended, self._ended_in_flight = self._ended_in_flight, None
+        result = self.overlapped.collect(self.scheduler.stopped(plan))
+        for conv in ended:
+            self.executor.stop_sampling(conv)
+        self.update(plan, result, settle=False)
+        self._settling = (plan, result)
+        self._count_step(time.perf_counter() - started)
 
-    def schedule(self) -> Plan:
+    def settle(self) -> None:
+        """Apply the finish rules of the step that waits for them, and deliver its tokens."""
+        if self._settling is None:
+            return
+        plan, result = self._settling
+        self._settling = None
+        if result.status is StepStatus.OK:
+            self.finish_rules(result)
+        self.deliver(plan, None)
+        wake(self.outbox.take_unwoken())  # a decode is running or none follows: now
+
+    def schedule(self, hold: Collection[int] = ()) -> Plan:
         """The step's plan; the generations learn who was admitted and whose history shifted."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(hold)
         self.generations.admitted(plan.admitted)
         for conv, keep, n in plan.shifted:
             self.generations.shifted(conv, keep, n)
@@ -101,20 +139,18 @@ class EngineCore:
         wake(unwoken)
         return self.executor.execute(plan)
 
-    def update(self, plan: Plan, result: StepResult) -> None:
-        """The step's result applied: the cache and histories, the counters, and the finish rules.
-        Raises DecodeError when llama.cpp failed, or keeps finding no KV slot with nothing to free."""
+    def update(self, plan: Plan, result: StepResult, settle: bool = True) -> None:
+        """The step's result applied: the cache and histories, the counters, and (unless ``settle``
+        is False: :meth:`settle` does it later) the finish rules. Raises DecodeError when llama.cpp
+        failed, or keeps finding no KV slot with nothing to free."""
         self.prefilling = frozenset()
         progressed = self.scheduler.update(plan, result)
         if plan.slices:
             self._count(plan, result)
         if result.status is StepStatus.OK:
             self._no_slot_streak = 0
-            for conv, past_end in self.generations.update(result, self.scheduler).items():
-                self.end(conv, past_end=past_end)
-            for conv, exc in result.failed.items():
-                if conv in self.generations:
-                    self.end(conv, error=exc)
+            if settle:
+                self.finish_rules(result)
         elif result.status is StepStatus.NO_KV_SLOT:
             # Planning keeps batches within the free cells, so this is rare: the scheduler frees
             # cells by force; give up only if it keeps happening with nothing left to free.
@@ -124,20 +160,32 @@ class EngineCore:
         elif result.status is StepStatus.FAILED:
             raise DecodeError(result.detail)
 
-    def deliver(self, plan: Plan, started: float) -> None:
+    def finish_rules(self, result: StepResult) -> None:
+        """The generations read a decoded step's tokens; those that it ends, end."""
+        for conv, past_end in self.generations.update(result, self.scheduler).items():
+            self.end(conv, past_end=past_end)
+        for conv, exc in result.failed.items():
+            if conv in self.generations:
+                self.end(conv, error=exc)
+
+    def deliver(self, plan: Plan, started: float | None) -> None:
         """The step's output to its consumers: the numbers published, then one hop per event loop.
         The whole step counts, delivery included: up to the publishing in the numbers published
-        now, the publishing and the hop in the next ones."""
+        now, the publishing and the hop in the next ones (an overlapped step counts from its
+        planning to its collection: its delivery is inside the next one's)."""
         wake(self._unwoken)  # in case no decode started: a portal woken already is not asked again
         self._unwoken = []
         counted = time.perf_counter()
-        if plan.slices:
-            self._counters.step_seconds += counted - started
-            self._step_counts[bisect.bisect_left(STEP_BUCKETS, counted - started)] += 1
+        if plan.slices and started is not None:
+            self._count_step(counted - started)
         self.publish()  # before the hop, so that a woken consumer sees this step's numbers
         self.flush()
-        if plan.slices:
+        if plan.slices and started is not None:
             self._counters.step_seconds += time.perf_counter() - counted
+
+    def _count_step(self, seconds: float) -> None:
+        self._counters.step_seconds += seconds
+        self._step_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
 
     def handle(self, command: Command) -> None:
         """Apply a caller's command (between steps): see :mod:`aiollama.core.handlers`."""
@@ -153,7 +201,10 @@ class EngineCore:
             else None
         guide = gens.get(conv).guide
         deferred = gens.end(conv, reason, error, stats)
-        self.executor.stop_sampling(conv)
+        if self._ended_in_flight is not None:
+            self._ended_in_flight.append(conv)  # the decode running may use its sampler (in its graph)
+        else:
+            self.executor.stop_sampling(conv)
         self.scheduler.finish(conv)
         if past_end:
             self.scheduler.rewind(conv, self.scheduler.length(conv) - past_end)
@@ -167,6 +218,7 @@ class EngineCore:
 
     def end_all(self, error: BaseException) -> None:
         """The engine closes: end every generation with ``error``."""
+        self.settle()
         for conv in self.generations.convs():
             self.end(conv, FinishReason.CANCELLED, error)
         self.publish()
@@ -192,7 +244,9 @@ class EngineCore:
         c.decode_seconds += result.decode_seconds
         c.aborted_steps += status is StepStatus.ABORTED
         if status is StepStatus.OK:
-            c.tokens_evaluated += plan.n_tokens
+            thrown = sum(len(s.tokens) for s in plan.slices if s.conv in result.discarded)
+            c.tokens_evaluated += plan.n_tokens - thrown
+            c.discarded_tokens += thrown
             c.tokens_generated += len(result.sampled)
         else:  # what an interrupted decode computed before it stopped stays in the cache
             c.tokens_evaluated += sum(max(0, n_cached.get(s.conv, s.pos) - s.pos) for s in plan.slices)
@@ -202,6 +256,7 @@ class EngineCore:
         self.statistics = Statistics(
             **vars(self.scheduler.statistics()), tokens_evaluated=c.tokens_evaluated,
             tokens_generated=c.tokens_generated, decode_steps=c.decode_steps, aborted_steps=c.aborted_steps,
+            discarded_tokens=c.discarded_tokens,
             decode_seconds=c.decode_seconds, step_seconds=c.step_seconds, step_histogram=tuple(self._step_counts),
             weights_device=self.executor.placement, kv_device=self.executor.placement,
             disk_entries=self.disk.n_entries if self.disk else 0, disk_bytes=self.disk.n_bytes if self.disk else 0)
@@ -220,6 +275,18 @@ class EngineCore:
             pass
         finally:
             self.disk.close()
+
+
+def overlapped(executor: Executor, config: EngineConfig) -> Overlapped | None:
+    """The executor, where steps overlap: as ``config.overlap`` says, by default where it decodes on
+    a GPU. Raises InvalidRequestError for ``overlap=True`` with an executor that cannot."""
+    if config.overlap is False:
+        return None
+    if not isinstance(executor, Overlapped):
+        if config.overlap:
+            raise InvalidRequestError(f"overlap: {type(executor).__name__} cannot start a decode without waiting for it")
+        return None
+    return executor if config.overlap or executor.placement != "CPU" else None
 
 
 def open_disk(executor: Executor, config: EngineConfig) -> DiskCache | None:

@@ -165,6 +165,22 @@ class Generations:
             self.outbox.emit(gen.sink, delta)
         return ended
 
+    def ending(self, result: StepResult) -> frozenset[int]:
+        """The conversations that ``result`` ends whatever their text says: an end of generation
+        that counts, a complete constraint, ``max_tokens`` reached, or a row that gave no token (a
+        logits processor raised). (A stop string is only known once the text is read.)"""
+        counts = collections.Counter(sampled.conv for sampled in result.sampled)
+        ending = set(result.failed)
+        for sampled in result.sampled:
+            gen = self._gens.get(sampled.conv)
+            if gen is None:
+                continue
+            limit = gen.params.max_tokens
+            if sampled.final or (sampled.eog and not gen.params.ignore_eos) or \
+                    (limit is not None and gen.n_generated + counts[sampled.conv] >= limit):
+                ending.add(sampled.conv)
+        return frozenset(ending)
+
     def _report(self, histories: Histories) -> None:
         """The prompt progress of the generations that asked, where the step evaluated more of it."""
         for conv in list(self._progress):

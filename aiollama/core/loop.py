@@ -156,12 +156,14 @@ class DecodeLoop:
         """Run queued commands; False once shutdown is asked for."""
         try:
             if block:
+                core.settle()
                 core.outbox.wake_all()  # nothing is decoding: deliver what the last step sent now
                 command = self._commands.get()
             else:
                 command = self._commands.get_nowait()
         except queue.Empty:
             return True
+        core.settle()  # commands see whole steps: an overlapped one's finish rules applied
         while True:
             if isinstance(command, Shutdown):
                 core.end_all(EngineClosed("the engine was closed while this stream ran"))

@@ -150,6 +150,7 @@ class Statistics:
     tokens_generated: int = 0
     decode_steps: int = 0
     aborted_steps: int = 0  # decodes interrupted by a cancel (their partial KV is kept consistent)
+    discarded_tokens: int = 0  # overlapped steps: rows decoded for streams that ended meanwhile, not counted above
     decode_seconds: float = 0.0  # inside llama_decode
     step_seconds: float = 0.0  # whole steps: planning, batch filling, decode, sampling, delivery
     step_histogram: tuple[int, ...] = ()  # steps per step_buckets interval, the last one unbounded

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from aiollama.runner.embedder import Embedder, is_embedding_model
 from aiollama.runner.images import ImageRows, images_for
 from aiollama.runner.ordered import OrderedCells
 from aiollama.runner.shape import context_options, model_info
-from aiollama.runner.token_choice import Sampling
+from aiollama.runner.token_choice import Sampling, verify
 from aiollama.runner.tokenizer import VocabTokenizer
 from aiollama.sampling import SamplingParams
 from aiollama.sched.step import (
@@ -54,7 +54,6 @@ from aiollama.sched.step import (
     Plan,
     Remove,
     Restore,
-    Sampled,
     Shift,
     Slice,
     StepResult,
@@ -125,6 +124,17 @@ def failed_step(ctx: Context, plan: Plan, status: DecodeStatus, elapsed: float, 
                       **applied)
 
 
+@dataclasses.dataclass
+class _Decoded:
+    """A step whose decode went through, waiting for :meth:`NativeExecutor.collect`."""
+
+    slices: Sequence[Slice]
+    rows: list[tuple[Slice, int, bool]]
+    elapsed: float
+    applied: Applied
+    drafted: dict[int, int]
+
+
 class NativeExecutor:
     """:class:`~aiollama.sched.step.Executor` over llama.cpp. Build it on the thread that will use it.
 
@@ -190,6 +200,7 @@ class NativeExecutor:
         self.sampling = Sampling(self.ctx, self.vocab, backend=config.backend_sampling and not self.embeds_only,
                                  gpu_decodes=self._gpu_decodes)
         self._order: OrderedCells | None = None
+        self._decoded: _Decoded | StepResult | None = None
         if config.deterministic and not self.embeds_only:
             self.n_seq_max -= 1
             self._order = OrderedCells(self.ctx, self.n_seq_max)
@@ -209,9 +220,16 @@ class NativeExecutor:
         self.sampling.stop(conv)
 
     def execute(self, plan: Plan, on_decode: Callable[[], None] | None = None) -> StepResult:
+        self.submit(plan, on_decode)
+        return self.collect()
+
+    def submit(self, plan: Plan, on_decode: Callable[[], None] | None = None) -> None:
+        """Apply the plan's KV operations and start its decode: on a GPU llama_decode returns once
+        the graph is queued, and the logits are waited for by :meth:`collect`."""
         applied = self._apply(plan.ops)
         if not plan.slices:
-            return StepResult(StepStatus.OK, **applied)
+            self._decoded = StepResult(StepStatus.OK, **applied)
+            return
         if plan.lora != self._lora_now:
             self.ctx.set_adapters([(self._loras[name], scale) for name, scale in plan.lora])
             self._lora_now = plan.lora
@@ -229,25 +247,19 @@ class NativeExecutor:
         if plan.images and self._images is not None:  # a prompt's image rows go first, in decodes of their own
             status, slices, called = self._images.run(slices, plan.images, on_decode)
             if status is not DecodeStatus.OK:
-                return failed_step(self.ctx, plan, status, 0.0, applied)
+                self._decoded = failed_step(self.ctx, plan, status, 0.0, applied)
+                return
         batch = self.batch
         batch.clear()
-        outputs: list[tuple[int, int]] = []
-        drafts: list[tuple[int, Slice]] = []  # (index in outputs, slice)
+        rows: list[tuple[Slice, int, bool]] = []  # (a slice, the row of its last token, whether it samples)
         self.sampling.guide_rows.clear()
-        scoring: list[tuple[Slice, int]] = []  # (a slice scoring the prompt, the row of its last token)
         for s in slices:
             n_outputs = len(s.tokens) if s.score else s.draft + s.logits
             last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits, n_outputs=n_outputs)
-            if s.score:
-                scoring.append((s, last))
-            if s.logits:
-                if s.conv not in self.sampling:
-                    self.sampling.guide_rows[s.conv] = last  # a guiding sequence's row, no draft
-                    continue  # the row of a sequence that guides another: read with that one's
-                if s.draft:
-                    drafts.append((len(outputs), s))
-                outputs.append((s.conv, last - s.draft))
+            if s.logits and s.conv not in self.sampling:
+                self.sampling.guide_rows[s.conv] = last  # a guiding sequence's row: read with the one it guides
+            if s.score or s.logits:
+                rows.append((s, last, s.logits and s.conv in self.sampling))
         start = time.perf_counter()
         try:
             status = self._decode(batch, None if called else on_decode) if len(batch) else DecodeStatus.OK
@@ -256,16 +268,41 @@ class NativeExecutor:
             # must still interrupt it.
             self.ctx.clear_abort()
         elapsed = time.perf_counter() - start
-        if status is DecodeStatus.OK:
-            failed: dict[int, BaseException] = {}
-            chosen = self.sampling.sample(outputs, failed)
-            if drafts:
-                chosen = self._verify(chosen, outputs, drafts, failed)
-            sampled = tuple(x for got in chosen for x in got)
-            scored = {s.conv: self.sampling.score(s, last) for s, last in scoring}
-            return StepResult(StepStatus.OK, sampled, decode_seconds=elapsed, **applied,
-                              failed=failed, drafted=drafted, scored=scored)
-        return failed_step(self.ctx, plan, status, elapsed, applied, called)
+        self._decoded = _Decoded(slices, rows, elapsed, applied, drafted) if status is DecodeStatus.OK \
+            else failed_step(self.ctx, plan, status, elapsed, applied, called)
+
+    def collect(self, discard: Collection[int] = ()) -> StepResult:
+        """Sample the rows of the step submitted last, but those of ``discard``: theirs are not
+        read, and their cells are removed where the memory can be cut (a recurrent state keeps them)."""
+        d, self._decoded = self._decoded, None
+        assert d is not None, "collect() without submit()"
+        if isinstance(d, StepResult):
+            return d
+        gone = frozenset(s.conv for s in d.slices if s.conv in discard)
+        if gone and self.memory == "kv":
+            for s in d.slices:
+                if s.conv in gone:
+                    self._remove(s.seq_id, s.pos, -1)
+        outputs: list[tuple[int, int]] = []
+        drafts: list[tuple[int, Slice]] = []  # (index in outputs, slice)
+        scoring: list[tuple[Slice, int]] = []  # (a slice scoring the prompt, the row of its last token)
+        for s, last, samples in d.rows:
+            if s.conv in gone:
+                continue
+            if s.score:
+                scoring.append((s, last))
+            if samples and s.draft:
+                drafts.append((len(outputs), s))
+            if samples:
+                outputs.append((s.conv, last - s.draft))
+        failed: dict[int, BaseException] = {}
+        chosen = self.sampling.sample(outputs, failed)
+        if drafts:
+            chosen = verify(self.sampling, self._remove, chosen, outputs, drafts, failed)
+        sampled = tuple(x for got in chosen for x in got)
+        scored = {s.conv: self.sampling.score(s, last) for s, last in scoring}
+        return StepResult(StepStatus.OK, sampled, decode_seconds=d.elapsed, **d.applied,
+                          failed=failed, drafted=d.drafted, scored=scored, discarded=gone)
 
     def _decode(self, batch: Batch, on_decode: Callable[[], None] | None) -> DecodeStatus:
         return self.ctx.decode(batch, on_decode)
@@ -330,28 +367,6 @@ class NativeExecutor:
             return False  # llama.cpp left the sequence empty
         return True
 
-    def _verify(self, chosen: list[list[Sampled]], outputs: list[tuple[int, int]],
-                drafts: list[tuple[int, Slice]], failed: dict[int, BaseException]) -> list[list[Sampled]]:
-        """Continue the drafted rows: while the token chosen equals the next draft token, choose the
-        next one from that token's row. The cells of the draft tokens not taken are removed."""
-        for i, s in drafts:
-            row = outputs[i][1]
-            draft = s.tokens[1:]
-            got = chosen[i]
-            k = 0
-            while got and k < len(draft) and got[-1].token == draft[k] and not got[-1].eog:
-                k += 1
-                more = self.sampling.sample([(s.conv, row + k)], failed)[0]
-                if not more:
-                    break
-                got += more
-            # the pending token and each draft token followed by a chosen token keep their cells
-            # (what the scheduler counts); after a failed row the last draft token taken waits
-            kept = max(1, len(got))
-            if kept < len(s.tokens):
-                self._remove(s.seq_id, s.pos + kept, -1)
-        return chosen
-
     def request_abort(self) -> None:
         self.ctx.request_abort()
 
@@ -360,3 +375,4 @@ class NativeExecutor:
         if self._embedder is not None and not self.embeds_only:
             self._embedder.close()  # the one of an embedding model goes with the handles
         self._handles.close()  # batch, context, model: the reverse of their creation
+

@@ -5,7 +5,7 @@ nothing needs its row). Used by the executor on the decode thread."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -354,3 +354,27 @@ class Sampling:
         for sampler in self._streams.values():
             sampler.chain.close()
         self._streams.clear()
+
+
+def verify(sampling: Sampling, remove: Callable[[int, int, int], None], chosen: list[list[Sampled]],
+           outputs: list[tuple[int, int]], drafts: list[tuple[int, Slice]],
+           failed: dict[int, BaseException]) -> list[list[Sampled]]:
+    """Continue the drafted rows: while the token chosen equals the next draft token, choose the
+    next one from that token's row. The cells of the draft tokens not taken are removed."""
+    for i, s in drafts:
+        row = outputs[i][1]
+        draft = s.tokens[1:]
+        got = chosen[i]
+        k = 0
+        while got and k < len(draft) and got[-1].token == draft[k] and not got[-1].eog:
+            k += 1
+            more = sampling.sample([(s.conv, row + k)], failed)[0]
+            if not more:
+                break
+            got += more
+        # the pending token and each draft token followed by a chosen token keep their cells
+        # (what the scheduler counts); after a failed row the last draft token taken waits
+        kept = max(1, len(got))
+        if kept < len(s.tokens):
+            remove(s.seq_id, s.pos + kept, -1)
+    return chosen

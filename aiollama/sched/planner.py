@@ -4,7 +4,7 @@ of the step and the room for them, and the step's result applied (see
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from aiollama.sched.drafting import add_drafts
 from aiollama.sched.idle import trim_idle
@@ -49,16 +49,16 @@ class Planner:
         self.idle_changed = False
         self.idle_trims = 0  # idle holders that gave their cells back so running streams stay fast
 
-    def schedule(self) -> Plan:
+    def schedule(self, hold: Collection[int] = ()) -> Plan:
         """The next step's plan. Building it has effects: admissions, prefix sharing, evictions,
         parking, context shifts and preemptions are decided here, and their KV operations lead the
-        plan."""
+        plan. The running conversations in ``hold`` (and their guides) sit this step out."""
         self._admit()
         if self.trims and self.idle_changed and self.queues.running:
             self.idle_changed = False
             self.idle_trims += trim_idle(self.kv, self.queues.running)
         group = self._lora_group()
-        slices = fit(self._slices(group), self.kv, self.queues.preempt_newest, self.whole_images)
+        slices = fit(self._slices(group, hold), self.kv, self.queues.preempt_newest, self.whole_images)
         if self.pairs:
             slices = lockstep(slices, self.queues.seqs)
         if self.kv.holes:  # ordered cells only: never summed on the common path
@@ -92,6 +92,10 @@ class Planner:
                 self.kv.restored(seq, bool(ok))
         if result.status is StepStatus.OK:
             drafted, accepted = record(self.kv, self.queues.seqs, plan, result)
+            for sl in plan.slices if result.discarded else ():
+                held = self.queues.seqs.get(sl.conv)
+                if sl.conv in result.discarded and held is not None and held.seq_id == sl.seq_id:
+                    self.rules.discarded(held, sl)
             self.drafted += drafted
             self.accepted += accepted
             self.rules.after_step(plan, self.queues.seqs)
@@ -146,13 +150,13 @@ class Planner:
                 if s.prompt_tokens < 0:
                     s.prompt_tokens, s.cached_tokens = len(s.tokens), s.n_cached
 
-    def _slices(self, group: tuple[tuple[str, float], ...] = ()) -> list[Slice]:
+    def _slices(self, group: tuple[tuple[str, float], ...] = (), hold: Collection[int] = ()) -> list[Slice]:
         slices: list[Slice] = []
         prefill: list[SeqState] = []
         drafting: list[int] = []
         for seq in self.queues.running:
             assert seq.seq_id is not None
-            if seq.restoring or seq.lora != group:
+            if seq.restoring or seq.lora != group or (hold and (seq.owner or seq).conv in hold):
                 continue
             if seq.n_keep is not None and len(seq.tokens) >= self.n_ctx:
                 self.shifted.append((seq.conv, *shift(self.kv, seq, self.n_ctx, self.can_shift)))
@@ -213,6 +217,8 @@ def record(kv: KVManager, seqs: Mapping[int, SeqState], plan: Plan, result: Step
             seq.guide.tokens.append(sampled.token)
         taken[sampled.conv] = taken.get(sampled.conv, 0) + 1
     for s in plan.slices:
+        if s.conv in result.discarded:
+            continue  # see Rules.discarded
         seq = seqs[s.conv]
         offered = s.draft or result.drafted.get(s.conv, 0)
         if offered:

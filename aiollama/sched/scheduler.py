@@ -34,7 +34,7 @@ part in a module of its own where it is more than a few lines:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from aiollama.errors import ContextFull, InvalidRequestError
@@ -148,6 +148,12 @@ class Scheduler:
         draft = seq.draft
         return Progress(len(seq.tokens), seq.n_cached, seq.prompt_tokens, seq.cached_tokens, seq.prompt_evaluated,
                         seq.preemptions, seq.restores, draft.drafted if draft else 0, draft.accepted if draft else 0)
+
+    def stopped(self, plan: Plan) -> frozenset[int]:
+        """The convs of ``plan``'s slices that no longer run: their generation ended (or their
+        conversation closed) after the plan was made."""
+        seqs = self._queues.seqs
+        return frozenset(s.conv for s in plan.slices if s.conv not in seqs or seqs[s.conv].phase is not Phase.RUNNING)
 
     @property
     def busy(self) -> bool:
@@ -272,12 +278,13 @@ class Scheduler:
 
     # the step
 
-    def schedule(self) -> Plan:
+    def schedule(self, hold: Collection[int] = ()) -> Plan:
         """The next step's plan. Building it has effects: admissions, prefix sharing, evictions,
         parking, context shifts and preemptions are decided here, and their KV operations lead the
-        plan."""
+        plan. The running conversations in ``hold`` sit this step out (an overlapped step plans
+        before the finish rules have read the last tokens: those whose last token surely ends them)."""
         self.disk_loads += take_arrivals(self._rules, self.disk, self._queues.waiting)
-        return self._plan.schedule()
+        return self._plan.schedule(hold)
 
     def update(self, plan: Plan, result: StepResult) -> bool:
         """Apply a step's result: the decoded tokens are cached and sampled tokens join the history;

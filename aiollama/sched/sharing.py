@@ -19,7 +19,7 @@ from aiollama.sched.kvcache import KVManager
 from aiollama.sched.kvtree import common_prefix
 from aiollama.sched.recurrent import RecurrentKV
 from aiollama.sched.sequence import Phase, SeqState
-from aiollama.sched.step import Plan
+from aiollama.sched.step import Plan, Slice
 
 # Sharing a prefix that is still being prefilled is worth waiting for only if it saves this much.
 MIN_SHARED_WAIT = 32
@@ -67,6 +67,10 @@ class CellRules:
 
     def after_step(self, plan: Plan, seqs: Mapping[int, SeqState]) -> None:
         """What a decoded step asks of the memory besides its cells: nothing."""
+
+    def discarded(self, seq: SeqState, s: Slice) -> None:
+        """``s`` was decoded but its generation ended while the step ran: the executor removed its
+        cells, as if it had never been planned (its pending token waits, as after a plain step)."""
 
 
 class StateRules:
@@ -129,6 +133,16 @@ class StateRules:
                 continue
             if (not s.logits and seq.pending == 1) or seq.n_cached - seq.checkpoint_at >= CHECKPOINT_EVERY:
                 self.kv.checkpoint(seq)
+
+    def discarded(self, seq: SeqState, s: Slice) -> None:
+        """``s`` was decoded but its generation ended while the step ran. A state cannot be cut back
+        (only put back from a checkpoint, with the tokens after it evaluated again): while its tokens
+        are the history's, the state after them is kept as evaluated."""
+        end = s.pos + len(s.tokens)
+        if seq.n_cached == s.pos and end <= len(seq.tokens) and tuple(seq.tokens[s.pos:end]) == s.tokens:
+            self.kv.extend(seq, len(s.tokens))
+        else:
+            self.kv.resync(seq, end)
 
 
 Rules = CellRules | StateRules

@@ -9,9 +9,9 @@ these values, so the engine can be driven by a fake executor with no model at al
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from aiollama.formats.tokens import Tokenizer
 from aiollama.sampling import SamplingParams
@@ -201,6 +201,9 @@ class StepResult:
     # conv -> (position, the token after it, its log-probability, the top alternatives, its rank) of scored rows
     scored: Mapping[int, tuple[Scored, ...]] = field(default_factory=dict)
     checkpoints: Mapping[int, bytes] = field(default_factory=dict)  # Checkpoint key -> the state copied out
+    # convs whose rows were decoded but not sampled: their generation ended while the step ran
+    # (an overlapped step, planned before the last one's tokens were read); what they hold is resynced
+    discarded: frozenset[int] = frozenset()
 
 
 class Executor(Protocol):
@@ -261,6 +264,21 @@ class Executor(Protocol):
 
     def write_state(self, seq_id: int, data: bytes) -> bool:
         """Replace ``seq_id``'s cells with a copy; False (and ``seq_id`` empty) if it does not fit."""
+        ...
+
+
+@runtime_checkable
+class Overlapped(Protocol):
+    """An executor whose decode runs while the host works: ``submit`` returns once the decode is
+    queued (llama_decode on a GPU returns before the device finishes; reading a row's logits or
+    sampled token waits for it), and ``collect`` waits for it and samples. ``execute`` is the two
+    in a row. Between them the decode thread delivers the last step's tokens."""
+
+    def submit(self, plan: Plan) -> None: ...
+
+    def collect(self, discard: Collection[int] = ()) -> StepResult:
+        """The result of the plan submitted last. The rows of the convs in ``discard`` are not
+        sampled (their generations ended meanwhile) and come back in ``StepResult.discarded``."""
         ...
 
 

@@ -72,6 +72,8 @@ class EngineCollector(Collector):
             ("tokens_in", "Tokens evaluated (prompts and re-evaluation)", s.tokens_evaluated),
             ("tokens_out", "Tokens generated", s.tokens_generated),
             ("decode_steps", "Decode steps", s.decode_steps),
+            ("discarded_tokens", "Rows decoded for streams that ended meanwhile (overlapped steps)",
+             s.discarded_tokens),
             ("cache_hit_tokens", "Prompt tokens not evaluated: shared from the KV cache or restored",
              s.cache_hit_tokens),
             ("parks", "Sequence states copied out to host memory", s.parks),

@@ -7,7 +7,8 @@ load round after round on one warm engine and one llama-server process (the stea
 Every contender gets the same prompts (random token ids, 64 each, distinct per stream and round),
 temperature 0.7. batched-bench and llama-server run with their defaults (a split KV cache: each
 slot its share) and every layer offloaded; aiollama with n_gpu_layers "auto" (all of them, when
-they fit), in its default unified cache, with a split one, and with backend sampling. For each
+they fit), in its default unified cache, with a split one, and with backend sampling, the split
+ones with overlapped steps (the default on a GPU) and without ("plain"). For each
 aiollama level the engine's own timers say how much of a step is spent in llama_decode.
 
 Without ``--bin`` (or with ``--cpu``) it runs aiollama only: the CPU mode the test suite runs on a
@@ -144,6 +145,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "aiollama": {},
     "split": {"kv_unified": False},
     "split+backend": {"kv_unified": False, "backend_sampling": True},
+    # overlapped steps are the default on a GPU: the same two without them
+    "split+plain": {"kv_unified": False, "overlap": False},
+    "split+backend+plain": {"kv_unified": False, "backend_sampling": True, "overlap": False},
 }
 
 

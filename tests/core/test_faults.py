@@ -73,7 +73,7 @@ def _decode_raises(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _scheduler_raises(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(self: Scheduler) -> object:
+    def broken(self: Scheduler, *args: object) -> object:
         raise RuntimeError("simulated scheduler bug")
 
     monkeypatch.setattr(Scheduler, "schedule", broken)

@@ -129,6 +129,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         except ContextFull:
             assert len(seq.tokens) >= N_CTX and not shift
             return
+        self._apply_ops()  # a history shifted at once gave up cells: the next step applies that first
         assert len(seq.tokens) < N_CTX
         self.limits[conv] = n
         self.cancelled.discard(conv)
