@@ -49,10 +49,13 @@ from fake_executor import ByteTokenizer  # noqa: E402
 
 import aiollama  # noqa: E402
 from aiollama.config import EngineConfig  # noqa: E402
+from aiollama.core.engine_core import EngineCore  # noqa: E402
+from aiollama.core.generations import Generations  # noqa: E402
 from aiollama.native import Batch, Context, Model, available_cpus  # noqa: E402
 from aiollama.native.sampler_chain import sample_rows  # noqa: E402
 from aiollama.runner.token_choice import build_chain  # noqa: E402
 from aiollama.sampling import SamplingParams  # noqa: E402
+from aiollama.sched import Scheduler  # noqa: E402
 from aiollama.sched.step import Plan, Sampled, StepResult, StepStatus  # noqa: E402
 
 TOKENS = 256
@@ -246,6 +249,44 @@ def after_decode(model: Path, threads: int, steps: int = 64) -> dict[str, Any]:
     return {"model": model.name, "levels": rows}
 
 
+PHASES = {"schedule": (Scheduler, "schedule"), "scheduler update": (Scheduler, "update"),
+          "finish rules": (Generations, "update"), "publish": (EngineCore, "publish"),
+          "delivery": (EngineCore, "flush"), "collect": (SimulatedDevice, "collect")}
+
+
+async def phases(n: int = 128) -> dict[str, Any]:
+    """Where a step's time goes on the decode thread, µs per step, with the simulated device at ``n``
+    streams, plain and overlapped: each phase's method timed (the timers cost a little each)."""
+    spent: dict[str, float] = {}
+    saved = {name: getattr(cls, attr) for name, (cls, attr) in PHASES.items()}
+
+    def timed(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return run
+
+    out: dict[str, Any] = {}
+    try:
+        for name, (cls, attr) in PHASES.items():
+            setattr(cls, attr, timed(name, saved[name]))
+        for overlap in (False, True):
+            async with aiollama.Engine(executor=SimulatedDevice, n_ctx=n * (TOKENS + 64), n_seq_max=n,
+                                       overlap=overlap) as engine:
+                await per_step_us(engine, [[65] * 16])
+                spent.clear()
+                r = await per_step_us(engine, [[65 + i % 26] * 16 for i in range(n)])
+                out["overlapped" if overlap else "plain"] = {"step_us": r["step_us"],
+                                                             **{k: 1e6 * v / r["steps"] for k, v in spent.items()}}
+    finally:
+        for name, (cls, attr) in PHASES.items():
+            setattr(cls, attr, saved[name])
+    return {"streams": n, **out}
+
+
 def sampler_threads(model: Path, threads: int, levels: Sequence[int] = (8, 32, 128), steps: int = 16) -> dict[str, Any]:
     """Microseconds to sample n rows of one decode with the default chain (temperature 0.7 over the
     whole vocabulary), on 1 thread and on ``threads`` (what the engine gives ``sample_rows``)."""
@@ -283,7 +324,7 @@ def markdown(r: dict[str, Any]) -> str:
     out += [f"| {n} | {row['steps']} | {row['outside_us']:.0f} | {row['loop_cpu_us']:.0f} |"
             for n, row in e["levels"].items()]
     out += ["", f"Fit: **{e['per_step_us']:.0f} µs per step + {e['per_stream_us']:.1f} µs per stream**.", ""]
-    for m in r["models"]:
+    for m in r.get("models", ()):
         out += [f"**{m['model']}** ({m['n_vocab']:,} tokens in its vocabulary), {r['threads']} threads: time "
                 "outside `llama_decode` per step (sampling included; the event loop's CPU time beside it)", "",
                 "| streams | step (µs) | outside llama_decode (µs) | event loop CPU per step (µs) |",
@@ -293,18 +334,28 @@ def markdown(r: dict[str, Any]) -> str:
         out += ["", f"Fit: {m['per_step_us']:.0f} µs per step + {m['per_stream_us']:.1f} µs per stream.", ""]
     d = r["simulated_device"]
     out += [f"**A simulated device** ({1e3 * d['device_s']:.0f} ms a decode, the GIL released; no model): the "
-            "step against the host's own time (the engine alone, above) plus the device's, and against the "
-            "larger of the two (what planning the next step while this one runs would reach)", "",
+            "plain loop's step and the overlapped one's (`overlap=True`: the last step's finish rules and "
+            "delivery run while the device computes), runs alternating, against the host's own time (the "
+            "engine alone, above, whose consumers compete with the decode thread) plus the device's, and "
+            "against the larger of the two (what a step with all of the host's work overlapped would take)", "",
             "| streams | plain step (µs) | overlapped step (µs) | host + device (µs) | max(host, device) (µs) |",
             "|---:|---:|---:|---:|---:|"]
     out += [f"| {n} | {row['step_us']:.0f} | {row['overlapped_us']:.0f} | {row['sum_us']:.0f} | {row['max_us']:.0f} |"
             for n, row in d["levels"].items()]
+    p = r["phases"]
+    out += ["", f"**Where the decode thread's time goes** at {p['streams']} streams with the simulated device, "
+            "µs per step (each phase timed; `collect` is the wait for the device):", "",
+            "| phase | plain | overlapped |", "|---|---:|---:|"]
+    out += [f"| {name} | {p['plain'].get(name, 0):.0f} | {p['overlapped'].get(name, 0):.0f} |" for name in PHASES]
+    out += [f"| whole step | {p['plain']['step_us']:.0f} | {p['overlapped']['step_us']:.0f} |"]
     t = str(r["threads"])
     out += ["", "**Sampler threads** (`sample_rows` over n rows of one decode, the default chain at temperature 0.7, "
             "µs per call, best of 16):", "", f"| model | rows | 1 thread | {t} threads |", "|---|---:|---:|---:|"]
     for m in r["sampler_threads"]:
         out += [f"| {m['model']} | {n} | {row['1']:.0f} | {row[t]:.0f} |" for n, row in m["levels"].items()]
     out += [""]
+    if "after_decode" not in r:
+        return "\n".join(out)
     out += ["**Sampling right after a decode** (the default chain, `sample_rows`, µs per call): the same "
             "call repeated at once finds its code and data in the caches", "",
             "| model | rows | right after `llama_decode` | repeated |", "|---|---:|---:|---:|"]
@@ -322,9 +373,11 @@ async def main(args: argparse.Namespace) -> int:
     print("engine alone", r["engine_alone"]["per_step_us"], r["engine_alone"]["per_stream_us"], flush=True)
     r["simulated_device"] = await simulated_device(args.rounds, r["engine_alone"]["levels"])
     models = [aiollama.default_model(), *(fast_model.path(v) for v in fast_model.VOCABULARIES)]
-    r["models"] = [await with_model(models[0], threads, args.rounds)]
-    r["models"] += [await with_model(m, threads, args.rounds, FAST_LEVELS) for m in models[1:]]
-    r["after_decode"] = [after_decode(m, threads) for m in models]
+    if not args.no_models:
+        r["models"] = [await with_model(models[0], threads, args.rounds)]
+        r["models"] += [await with_model(m, threads, args.rounds, FAST_LEVELS) for m in models[1:]]
+        r["after_decode"] = [after_decode(m, threads) for m in models]
+    r["phases"] = await phases()
     r["sampler_threads"] = [sampler_threads(m, threads) for m in models[1:]]
     save_results(r, "overhead" if not args.tag else f"overhead-{args.tag}", markdown(r))
     return 0
@@ -335,4 +388,6 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, help="llama.cpp threads (default: usable CPUs)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tag", default="", help="a suffix for the results' file names")
+    parser.add_argument("--no-models", action="store_true",
+                        help="leave out part 2 and the sampling after a decode (the models' steps: most of the run)")
     sys.exit(anyio.run(main, parser.parse_args()))

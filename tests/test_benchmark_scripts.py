@@ -61,3 +61,10 @@ def test_the_overhead_benchmarks_simulated_device_takes_its_time() -> None:
 def test_the_overhead_benchmark_samples_on_one_thread_and_on_all(tiny_path: Path) -> None:
     r = overhead.sampler_threads(tiny_path, 2, levels=(2, 4), steps=2)
     assert set(r["levels"]) == {"2", "4"} and all(set(row) == {"1", "2"} for row in r["levels"].values())
+
+
+def test_the_overhead_benchmark_times_each_phase_and_puts_the_methods_back() -> None:
+    before = overhead.Scheduler.schedule
+    r = anyio.run(overhead.phases, 4)
+    assert overhead.Scheduler.schedule is before
+    assert set(r["plain"]) >= set(overhead.PHASES) and r["overlapped"]["collect"] > 0

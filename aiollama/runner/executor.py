@@ -279,10 +279,6 @@ class NativeExecutor:
         if isinstance(d, StepResult):
             return d
         gone = frozenset(s.conv for s in d.slices if s.conv in discard)
-        if gone and self.memory == "kv":
-            for s in d.slices:
-                if s.conv in gone:
-                    self._remove(s.seq_id, s.pos, -1)
         outputs: list[tuple[int, int]] = []
         drafts: list[tuple[int, Slice]] = []  # (index in outputs, slice)
         scoring: list[tuple[Slice, int]] = []  # (a slice scoring the prompt, the row of its last token)
@@ -301,6 +297,9 @@ class NativeExecutor:
             chosen = verify(self.sampling, self._remove, chosen, outputs, drafts, failed)
         sampled = tuple(x for got in chosen for x in got)
         scored = {s.conv: self.sampling.score(s, last) for s, last in scoring}
+        for s in d.slices if gone and self.memory == "kv" else ():
+            if s.conv in gone:  # after the reads (cell metadata only, which the next decode reads)
+                self._remove(s.seq_id, s.pos, -1)
         return StepResult(StepStatus.OK, sampled, decode_seconds=d.elapsed, **d.applied,
                           failed=failed, drafted=d.drafted, scored=scored, discarded=gone)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from aiollama.sched.kvtree import Span, cached
+from aiollama.sched.kvtree import Span
 from aiollama.sched.speculation import DraftLength
 
 
@@ -52,11 +52,13 @@ class SeqState:
 
     @property
     def n_cached(self) -> int:
-        return cached(self.kv)
+        kv = self.kv  # cached(self.kv), inline: read several times a stream and step
+        return 0 if kv is None else kv.start + len(kv.tokens)
 
     @property
     def pending(self) -> int:
-        return len(self.tokens) - self.n_cached
+        kv = self.kv
+        return len(self.tokens) - (0 if kv is None else kv.start + len(kv.tokens))
 
 
 def unique_cells(seq: SeqState) -> int:
