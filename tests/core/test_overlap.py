@@ -111,7 +111,7 @@ async def on_tiny(path: Path, overlap: bool, **options: Any) -> list[Any]:
 STOP_OF: dict[int, str] = {}
 
 
-@pytest.mark.parametrize("options", [dict(deterministic=True), dict(backend_sampling=True)],
+@pytest.mark.parametrize("options", [dict(deterministic=True), dict(deterministic=True, backend_sampling=True)],
                          ids=["deterministic", "backend-sampling"])
 async def test_on_a_model_overlapped_steps_give_what_plain_steps_give(tiny_path: Path, options: dict[str, Any]) -> None:
     STOP_OF.clear()
@@ -123,8 +123,8 @@ async def test_on_a_model_overlapped_steps_give_what_plain_steps_give(tiny_path:
     plain = await on_tiny(tiny_path, False, **options)
     overlap = await on_tiny(tiny_path, True, **options)
     assert sum(reason is FinishReason.STOP for _, reason in plain[:6]) >= 2
-    if options.get("deterministic"):
-        assert overlap[:-1] == plain[:-1]  # a conversation's logits do not depend on the rows beside it
-    else:  # rows beside change the rounding of llama.cpp's batched kernels: the ends must agree
-        assert [r for _, r in overlap[:-1]] == [r for _, r in plain[:-1]]
+    # deterministic: a conversation's logits do not depend on the rows beside it, which the rows of
+    # streams that ended change (with backend sampling, the samplers of those streams are still in
+    # the graph that decodes their thrown rows)
+    assert overlap[:-1] == plain[:-1]
     assert plain[-1] == 0 and overlap[-1] > 0
