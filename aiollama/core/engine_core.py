@@ -244,7 +244,7 @@ class EngineCore:
         c.decode_seconds += result.decode_seconds
         c.aborted_steps += status is StepStatus.ABORTED
         if status is StepStatus.OK:
-            thrown = sum(len(s.tokens) for s in plan.slices if s.conv in result.discarded)
+            thrown = sum(len(s.tokens) for s in plan.slices if s.conv in result.discarded) if result.discarded else 0
             c.tokens_evaluated += plan.n_tokens - thrown
             c.discarded_tokens += thrown
             c.tokens_generated += len(result.sampled)

@@ -278,7 +278,7 @@ class NativeExecutor:
         assert d is not None, "collect() without submit()"
         if isinstance(d, StepResult):
             return d
-        gone = frozenset(s.conv for s in d.slices if s.conv in discard)
+        gone = frozenset(s.conv for s in d.slices if s.conv in discard) if discard else frozenset()
         outputs: list[tuple[int, int]] = []
         drafts: list[tuple[int, Slice]] = []  # (index in outputs, slice)
         scoring: list[tuple[Slice, int]] = []  # (a slice scoring the prompt, the row of its last token)

@@ -202,7 +202,7 @@ class StepResult:
     scored: Mapping[int, tuple[Scored, ...]] = field(default_factory=dict)
     checkpoints: Mapping[int, bytes] = field(default_factory=dict)  # Checkpoint key -> the state copied out
     # convs whose rows were decoded but not sampled: their generation ended while the step ran
-    # (an overlapped step, planned before the last one's tokens were read); what they hold is resynced
+    # (an overlapped step, planned before the last one's tokens were read): see Rules.discarded
     discarded: frozenset[int] = frozenset()
 
 
