@@ -110,9 +110,11 @@ struct llama_model_params {
     bool check_tensors;
     bool use_extra_bufts;
     bool no_alloc;
+    bool load_mtp;
     ...;
 };
 
+enum llama_context_type { LLAMA_CONTEXT_TYPE_DEFAULT, LLAMA_CONTEXT_TYPE_MTP, ... };
 struct llama_context_params {
     uint32_t n_ctx;
     uint32_t n_batch;
@@ -121,6 +123,7 @@ struct llama_context_params {
     uint32_t n_outputs_max;
     int32_t  n_threads;
     int32_t  n_threads_batch;
+    enum llama_context_type ctx_type;
     enum llama_pooling_type pooling_type;
     enum llama_flash_attn_type flash_attn_type;
     enum ggml_type type_k;
@@ -427,6 +430,22 @@ char * aiollama_chat_parse(const struct aiollama_chat_parser * parser, const cha
 void aiollama_chat_string_free(char * text);
 int32_t aiollama_memory_breakdown(const struct llama_context * ctx, const char ** names, uint64_t * model,
                                   uint64_t * context, uint64_t * compute, int32_t capacity);
+
+/* multi-token prediction: the extended batch, and the hidden states the NextN layers read (the
+   shim in cmake/nextn.cpp) */
+enum llama_process_type { LLAMA_PROCESS_TYPE_ENCODE, LLAMA_PROCESS_TYPE_DECODE, ... };
+struct llama_batch_ext;
+struct llama_batch_ext * llama_batch_ext_init(struct llama_context * ctx);
+void llama_batch_ext_free(struct llama_batch_ext * batch);
+int32_t llama_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch);
+int32_t llama_model_n_layer_nextn(const struct llama_model * model);
+int32_t llama_model_n_embd_out(const struct llama_model * model);
+void aiollama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+const float * aiollama_get_embeddings_nextn(struct llama_context * ctx);
+const float * aiollama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
+int32_t aiollama_batch_ext_fill(struct llama_batch_ext * batch, int32_t n, const int32_t * tokens,
+                                const int32_t * pos, const int32_t * seq_ids, const float * rows,
+                                int32_t n_embd, const bool * outputs);
 
 /* helpers compiled into this module (see HELPERS) */
 bool aiollama_abort_cb(void * data);

@@ -60,7 +60,9 @@ class EngineConfig:
     ``draft_tokens`` > 0 turns on n-gram speculation: decode steps carry drafts of up to that many
     tokens taken from the conversation's own history (0: off; streams may choose otherwise).
     ``draft_model`` is a smaller model with the same vocabulary whose greedy guesses replace the
-    n-gram drafts (``draft_tokens`` then defaults to ``DRAFT_MODEL_TOKENS``).
+    n-gram drafts (``draft_tokens`` then defaults to ``DRAFT_MODEL_TOKENS``). ``mtp`` drafts with
+    the model's own multi-token-prediction layers instead (GLM-4.5, DeepSeek V3, Qwen3.5...: a GGUF
+    that carries them; ``draft_tokens`` defaults as for a draft model).
     ``backend_sampling`` runs each stream's sampler chain inside the decode graph where the chain
     allows it (greedy, top-k/p, min-p, temperature, penalties, logit bias; no log-probabilities,
     logits processors, guidance, constraints or drafts): no logits row is read. It pays where rows
@@ -113,6 +115,7 @@ class EngineConfig:
     n_keep: int = 0
     draft_tokens: int = 0
     draft_model: Path | None = None
+    mtp: bool = False
     deterministic: bool = False
     backend_sampling: bool = False
     overlap: bool | None = None
@@ -176,6 +179,13 @@ class EngineConfig:
             if not isinstance(self.draft_model, (str, os.PathLike)):
                 raise InvalidRequestError(f"draft_model must be a path, got {self.draft_model!r}")
             object.__setattr__(self, "draft_model", Path(self.draft_model))
+            if self.draft_tokens == 0:
+                object.__setattr__(self, "draft_tokens", DRAFT_MODEL_TOKENS)
+        if not isinstance(self.mtp, bool):
+            raise InvalidRequestError(f"mtp must be a bool, got {self.mtp!r}")
+        if self.mtp:
+            if self.draft_model is not None:
+                raise InvalidRequestError("mtp drafts with the model's own layers: give no draft_model with it")
             if self.draft_tokens == 0:
                 object.__setattr__(self, "draft_tokens", DRAFT_MODEL_TOKENS)
         if self.mmproj is not None:

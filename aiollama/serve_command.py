@@ -91,6 +91,8 @@ def add_serve(serve: argparse.ArgumentParser) -> None:
                             "default with --draft-model)")
     serve.add_argument("--draft-model", "-md", "--model-draft", "--spec-draft-model", default=None,
                        help="a smaller GGUF model with the same vocabulary that drafts instead of n-grams")
+    serve.add_argument("--mtp", action="store_true",
+                       help="draft with the model's own multi-token-prediction layers (a GGUF that carries them)")
     serve.add_argument("--backend-sampling", "-bs", action="store_true",
                        help="sample inside the decode graph where a stream's sampler allows it (pays on a GPU)")
     serve.add_argument("--overlap", type=switch, default=EngineConfig.overlap,
@@ -239,7 +241,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                "n_batch": args.n_batch, "n_gpu_layers": args.n_gpu_layers, "n_threads": args.threads,
                "host_cache_bytes": args.host_cache_mib << 20, "checkpoint_bytes": args.checkpoint_mib << 20,
                "cache_dir": args.cache_dir, "cache_disk_bytes": int(args.cache_disk_gib * 2**30),
-               "draft_tokens": args.draft_tokens, "draft_model": args.draft_model, "deterministic": args.deterministic,
+               "draft_tokens": args.draft_tokens, "draft_model": args.draft_model, "mtp": args.mtp,
+               "deterministic": args.deterministic,
                "backend_sampling": args.backend_sampling, "overlap": args.overlap, "kv_unified": args.unified_cache,
                "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v, "flash_attn": args.flash_attn,
                "lora": _adapters(args.lora), "mmproj": args.mmproj,

@@ -23,6 +23,7 @@ extern "C" {
 
 struct llama_model;
 struct llama_context;
+struct llama_batch_ext;
 struct aiollama_chat;
 struct aiollama_chat_parser;
 
@@ -62,6 +63,20 @@ void aiollama_chat_string_free(char * text);
  * error). With a model loaded with no_alloc, the sizes are what the allocations would take. */
 int32_t aiollama_memory_breakdown(const struct llama_context * ctx, const char ** names, uint64_t * model,
                                   uint64_t * context, uint64_t * compute, int32_t capacity);
+
+/* Multi-token prediction (cmake/nextn.cpp): whether ctx outputs the hidden states a model's NextN
+ * layers read (masked: only for the batch entries that output logits, indexed as logits are;
+ * otherwise for every entry, indexed by its place in the batch), and those states. */
+void aiollama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+const float * aiollama_get_embeddings_nextn(struct llama_context * ctx);
+const float * aiollama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
+
+/* Clears batch and adds n entries: token, position and sequence, the row of n_embd floats at
+ * rows + i * n_embd as its state, logits where outputs says. Returns n, or what
+ * llama_batch_ext_add_token returned for the entry it refused (< 0), or -4 for a refused row. */
+int32_t aiollama_batch_ext_fill(struct llama_batch_ext * batch, int32_t n, const int32_t * tokens,
+                                const int32_t * pos, const int32_t * seq_ids, const float * rows,
+                                int32_t n_embd, const bool * outputs);
 
 #ifdef __cplusplus
 }

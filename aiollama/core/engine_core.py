@@ -311,6 +311,6 @@ def scheduler_config(executor: Executor, config: EngineConfig) -> SchedulerConfi
     return SchedulerConfig(
         n_ctx=executor.n_ctx, n_cells=executor.n_cells, n_seq_max=executor.n_seq_max, n_batch=executor.n_batch,
         step_tokens=config.step_tokens, max_running=config.n_seq_max, host_bytes=config.host_cache_bytes,
-        can_shift=executor.can_shift, ordered=config.deterministic, draft_model=config.draft_model is not None,
+        can_shift=executor.can_shift, ordered=config.deterministic, draft_model=config.draft_model is not None or config.mtp,
         kv_unified=executor.kv_unified, memory=executor.memory, checkpoint_bytes=config.checkpoint_bytes,
         whole_images=getattr(executor, "whole_images", False))

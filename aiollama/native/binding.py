@@ -94,7 +94,7 @@ _OPAQUE = {"llama_vocab", "llama_model", "llama_context", "llama_sampler", "llam
            "ggml_backend_device",
            "ggml_backend_reg", "ggml_backend_buffer_type",
            "mtmd_context", "mtmd_bitmap", "mtmd_input_chunk", "mtmd_input_chunks", "mtmd_helper_video",
-           "aiollama_chat", "aiollama_chat_parser"}
+           "aiollama_chat", "aiollama_chat_parser", "llama_batch_ext"}
 
 
 def _shutdown() -> None:

@@ -99,11 +99,12 @@ class Context(Handle, MemoryOps):
         reference_kernels: bool = False,
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
+        mtp: bool = False,
     ) -> None:
         params = context_params(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
                                 n_threads=n_threads, n_threads_batch=n_threads_batch, kv_unified=kv_unified,
                                 flash_attn=flash_attn, embeddings=embeddings, pooling=pooling,
-                                cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+                                cache_type_k=cache_type_k, cache_type_v=cache_type_v, mtp=mtp)
         # The abort flag is read by C after every graph node; Python only stores to it.
         self._abort_flag = ffi.new("int *", 0)
         params.abort_callback = ffi.addressof(lib, "aiollama_abort_cb")

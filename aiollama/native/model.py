@@ -63,6 +63,7 @@ class Model(Handle):
         repack: bool = True,
         fitted: Fitted | None = None,
         no_alloc: bool = False,
+        load_mtp: bool = False,
     ) -> None:
         self.path = os.fspath(path)
         integer("n_gpu_layers", n_gpu_layers, low=-1)
@@ -78,6 +79,7 @@ class Model(Handle):
         # a plan maps nothing (llama.cpp's fitting loads the same way)
         params.load_mode = lib.LLAMA_LOAD_MODE_AUTO if use_mmap and not no_alloc else lib.LLAMA_LOAD_MODE_NONE
         params.use_extra_bufts = repack  # repacked weights run rows in groups of 4 (batch-shape dependent)
+        params.load_mtp = load_mtp  # the multi-token-prediction (NextN) layers, which an MTP context runs
         clear_recent_errors()
         ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
         if ptr == ffi.NULL:
@@ -92,6 +94,7 @@ class Model(Handle):
         self.n_embd: int = lib.llama_model_n_embd(ptr)
         self.n_cls_out: int = 0 if vocab_only else lib.llama_model_n_cls_out(ptr)  # a reranker's scores per input
         self.n_layer: int = lib.llama_model_n_layer(ptr)
+        self.n_layer_nextn: int = lib.llama_model_n_layer_nextn(ptr)  # > 0: it carries MTP layers
         # heads are per layer: a vocabulary-only model has none to ask about (llama.cpp aborts)
         self.n_head: int = 0 if vocab_only else lib.llama_model_n_head(ptr)
         self.n_head_kv: int = 0 if vocab_only else lib.llama_model_n_head_kv(ptr)

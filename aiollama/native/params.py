@@ -24,8 +24,9 @@ CACHE_TYPES = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "bf16": lib.G
 def context_params(*, n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int | None = None, n_seq_max: int = 1,
                    n_threads: int | None = None, n_threads_batch: int | None = None, kv_unified: bool = True,
                    flash_attn: bool | None = None, embeddings: bool = False, pooling: str | None = None,
-                   cache_type_k: str = "f16", cache_type_v: str = "f16") -> Any:
-    """A checked ``llama_context_params`` (what :class:`Context` creates its context with).
+                   cache_type_k: str = "f16", cache_type_v: str = "f16", mtp: bool = False) -> Any:
+    """A checked ``llama_context_params`` (what :class:`Context` creates its context with); ``mtp``:
+    a context that runs the model's multi-token-prediction (NextN) layers, not its trunk.
 
     Raises InvalidRequestError for a value out of range or a cache type not in ``CACHE_TYPES``.
     """
@@ -54,6 +55,8 @@ def context_params(*, n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int | Non
     params.embeddings = embeddings
     params.type_k = CACHE_TYPES[cache_type_k]
     params.type_v = CACHE_TYPES[cache_type_v]
+    if mtp:
+        params.ctx_type = lib.LLAMA_CONTEXT_TYPE_MTP
     if pooling is not None:
         if pooling not in POOLING:
             raise InvalidRequestError(f"pooling must be one of {sorted(POOLING)}, got {pooling!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -143,7 +144,13 @@ class Drafter:
         self._handles.close()
 
 
-def with_drafts(drafter: Drafter, slices: Sequence[Slice]) -> tuple[tuple[Slice, ...], dict[int, int]]:
+class Drafts(Protocol):
+    """What drafts tokens for the executor: a :class:`Drafter`, or the model's own MTP layers."""
+
+    def draft(self, wants: Sequence[tuple[int, Sequence[int], int]]) -> list[tuple[int, ...]]: ...
+
+
+def with_drafts(drafter: Drafts, slices: Sequence[Slice]) -> tuple[tuple[Slice, ...], dict[int, int]]:
     """The slices with the draft model's tokens after their pending one, where it was asked for;
     and how many each got, by conversation."""
     asked = [s for s in slices if s.model_draft]

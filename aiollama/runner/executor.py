@@ -40,6 +40,7 @@ from aiollama.native.params import context_params
 from aiollama.runner.drafter import Drafter, with_drafts
 from aiollama.runner.embedder import Embedder, is_embedding_model
 from aiollama.runner.images import ImageRows, images_for
+from aiollama.runner.mtp import MtpDrafter, kept_tokens
 from aiollama.runner.ordered import OrderedCells
 from aiollama.runner.shape import context_options, model_info
 from aiollama.runner.token_choice import Sampling, verify
@@ -66,15 +67,16 @@ def load_model(config: EngineConfig, path: Path, *, no_alloc: bool = False) -> M
     leave room for a context of the configured shape (none without a GPU, and none in the
     deterministic mode, which runs on the CPU). ``no_alloc``: its metadata only, for a plan."""
     if config.n_gpu_layers != "auto":
-        return Model(path, n_gpu_layers=int(config.n_gpu_layers), repack=not config.deterministic, no_alloc=no_alloc)
+        return Model(path, n_gpu_layers=int(config.n_gpu_layers), repack=not config.deterministic, no_alloc=no_alloc,
+                     load_mtp=config.mtp)
     if config.deterministic:
-        return Model(path, n_gpu_layers=0, repack=False, no_alloc=no_alloc)
+        return Model(path, n_gpu_layers=0, repack=False, no_alloc=no_alloc, load_mtp=config.mtp)
     # the seq ids are known once the vocabulary is: their output rows weigh little beside the cache
     shape = context_params(n_ctx=config.n_ctx, n_batch=config.n_batch,
                            n_seq_max=min(MAX_SEQ, config.n_seq_max + (config.cache_seq_ids or 32)),
                            n_threads=config.n_threads, kv_unified=config.kv_unified, flash_attn=config.flash_attn,
                            cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v)
-    return Model(path, fitted=fit(path, shape), no_alloc=no_alloc)
+    return Model(path, fitted=fit(path, shape), no_alloc=no_alloc, load_mtp=config.mtp)
 
 
 Applied = dict[str, Any]  # what a plan's KV operations gave: parked, restored and checkpoints (StepResult's fields)
@@ -103,7 +105,7 @@ def recurrent_config(config: EngineConfig, name: str) -> EngineConfig:
                                "KV cells in position order, which a recurrent state does not have")
     if config.draft_model is not None or config.draft_tokens:
         raise UnsupportedModel(f"{name} is a recurrent or hybrid model: rejected draft tokens cannot be "
-                               "dropped from its recurrent state (no draft_model, draft_tokens=0)")
+                               "dropped from its recurrent state (no draft_model, no mtp, draft_tokens=0)")
     # llama.cpp allocates a recurrent state for every seq id up front (megabytes each in a real
     # model): cached prefixes get as many ids as streams, not the hundreds an attention model gets
     ids = config.cache_seq_ids if config.cache_seq_ids is not None and config.kv_unified else config.n_seq_max
@@ -133,6 +135,18 @@ class _Decoded:
     elapsed: float
     applied: Applied
     drafted: dict[int, int]
+    starts: list[int]  # the batch entry of each slice's first token
+
+
+def drafter_for(config: EngineConfig, model: Model, ctx: Context) -> Drafter | MtpDrafter | None:
+    """What drafts for speculation: the draft model, the model's own MTP layers, or nothing (n-grams
+    are the scheduler's)."""
+    if config.mtp:
+        return MtpDrafter(model, ctx, n_ctx=ctx.n_ctx, n_seq_max=ctx.n_seq_max, n_threads=config.n_threads)
+    if config.draft_model is None:
+        return None
+    return Drafter(config.draft_model, model.vocab, n_ctx=config.n_ctx, n_batch=ctx.n_batch, n_seq_max=ctx.n_seq_max,
+                   n_threads=config.n_threads, n_gpu_layers=-1 if model.n_gpu_layers != 0 else 0)
 
 
 class NativeExecutor:
@@ -172,13 +186,10 @@ class NativeExecutor:
                 if self.whole_images:
                     self.projector.max_rows = self.ctx.n_ubatch
                 stack.callback(self._images.close)
-            self._drafter: Drafter | None = None
-            if config.draft_model is not None and not self.embeds_only:
-                self._drafter = Drafter(config.draft_model, self.model.vocab, n_ctx=config.n_ctx,
-                                        n_batch=self.ctx.n_batch, n_seq_max=self.ctx.n_seq_max,
-                                        n_threads=config.n_threads,
-                                        n_gpu_layers=-1 if self.model.n_gpu_layers != 0 else 0)
+            self._drafter = drafter_for(config, self.model, self.ctx) if not self.embeds_only else None
+            if self._drafter is not None:
                 stack.callback(self._drafter.close)
+            self._mtp = self._drafter if isinstance(self._drafter, MtpDrafter) else None
             self._handles = stack.pop_all()
         self._threads = config.n_threads
         self._pooling = config.pooling
@@ -227,6 +238,8 @@ class NativeExecutor:
         """Apply the plan's KV operations and start its decode: on a GPU llama_decode returns once
         the graph is queued, and the logits are waited for by :meth:`collect`."""
         applied = self._apply(plan.ops)
+        if self._mtp is not None:
+            self._mtp.mirror(plan.ops)
         if not plan.slices:
             self._decoded = StepResult(StepStatus.OK, **applied)
             return
@@ -252,8 +265,10 @@ class NativeExecutor:
         batch = self.batch
         batch.clear()
         rows: list[tuple[Slice, int, bool]] = []  # (a slice, the row of its last token, whether it samples)
+        starts: list[int] = []
         self.sampling.guide_rows.clear()
         for s in slices:
+            starts.append(batch.n_tokens)
             n_outputs = len(s.tokens) if s.score else s.draft + s.logits
             last = batch.add_tokens(s.tokens, s.pos, s.seq_id, output_last=s.logits, n_outputs=n_outputs)
             if s.logits and s.conv not in self.sampling:
@@ -268,7 +283,7 @@ class NativeExecutor:
             # must still interrupt it.
             self.ctx.clear_abort()
         elapsed = time.perf_counter() - start
-        self._decoded = _Decoded(slices, rows, elapsed, applied, drafted) if status is DecodeStatus.OK \
+        self._decoded = _Decoded(slices, rows, elapsed, applied, drafted, starts) if status is DecodeStatus.OK \
             else failed_step(self.ctx, plan, status, elapsed, applied, called)
 
     def collect(self, discard: Collection[int] = ()) -> StepResult:
@@ -295,6 +310,9 @@ class NativeExecutor:
         chosen = self.sampling.sample(outputs, failed)
         if drafts:
             chosen = verify(self.sampling, self._remove, chosen, outputs, drafts, failed)
+        if self._mtp is not None:  # the tokens kept: a drafted slice's pending one and the drafts taken
+            kept = {s.conv: max(1, len(chosen[i])) for i, s in drafts}
+            self._mtp.feed(kept_tokens(d.slices, d.starts, kept, gone | failed.keys()))
         sampled = tuple(x for got in chosen for x in got)
         scored = {s.conv: self.sampling.score(s, last) for s, last in scoring}
         for s in d.slices if gone and self.memory == "kv" else ():

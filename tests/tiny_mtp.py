@@ -1,0 +1,102 @@
+"""Tiny models with a multi-token-prediction (MTP) layer, in GLM-4.5's layout (``glm4moe``): two
+dense attention layers, then one NextN block (the MTP head: a token's embedding and the hidden state
+before it, projected, through one attention layer with a mixture of experts) that llama.cpp runs
+in a context of its own (``LLAMA_CONTEXT_TYPE_MTP``).
+
+Two variants, both with SmolLM2's vocabulary:
+
+- ``agree=False``: every weight random, so the head's guesses are noise (a draft that never pays);
+- ``agree=True``: the layers add nothing to the residual stream (their output projections are
+  zero), so the model's next token is a function of the current token alone, and the head's input
+  projection keeps only the token's embedding: it predicts, from a token, exactly what the model
+  predicts from it. Greedy drafts then always agree (a draft that always pays).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+from tiny_model import add_fields, cached, copy_tokenizer, finish
+
+ARCH = "glm4moe"
+
+
+def write_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: int = 64, n_head: int = 4,
+                    n_head_kv: int = 2, n_ff: int = 128, n_ff_exp: int = 32, n_expert: int = 2,
+                    n_trunk: int = 2) -> Path:
+    fields = copy_tokenizer(tokenizer_source)
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
+    head_dim = n_embd // n_head
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), ARCH)
+    writer.add_name("aiollama tiny MTP test model")
+    writer.add_block_count(n_trunk + 1)
+    writer.add_uint32(f"{ARCH}.nextn_predict_layers", 1)
+    writer.add_uint32(f"{ARCH}.leading_dense_block_count", n_trunk)  # the NextN block is the MoE one
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_expert_feed_forward_length(n_ff_exp)
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(1)
+    writer.add_expert_shared_count(1)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(0)  # all F32
+    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+    rng = np.random.default_rng(11 if agree else 13)
+
+    def weight(*shape: int, scale: float = 0.2, out: bool = False) -> np.ndarray:
+        """Random, or zero for an output projection of the agreeing model."""
+        if out and agree:
+            return np.zeros(shape, dtype=np.float32)
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    # numpy shape (rows, cols) is ggml ne = [cols, rows]
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))  # not tied: next token != this one
+    for i in range(n_trunk + 1):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones)
+        writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd))
+        writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim, out=True))
+        writer.add_tensor(p + "post_attention_norm.weight", ones)
+        if i < n_trunk:
+            writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
+            writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
+            writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
+            continue
+        writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
+        writer.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
+        writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
+        writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
+        writer.add_tensor(p + "nextn.enorm.weight", ones)
+        writer.add_tensor(p + "nextn.hnorm.weight", ones)
+        # [the token's embedding | the hidden state] -> width; the agreeing head keeps the token's only
+        eh = weight(n_embd, 2 * n_embd)
+        if agree:
+            eh = np.hstack([np.eye(n_embd, dtype=np.float32), np.zeros((n_embd, n_embd), dtype=np.float32)])
+        writer.add_tensor(p + "nextn.eh_proj.weight", eh)
+    finish(writer, tmp, path)
+    return path
+
+
+def mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
+    """The cached tiny MTP model, written on first use."""
+    name = f"tiny-mtp-v1-{'agree' if agree else 'random'}.gguf"
+    return cached(cache / name, lambda p: write_mtp_model(p, tokenizer_source, agree=agree))
