@@ -24,11 +24,12 @@ from tiny_model import add_fields, cached, copy_tokenizer, finish
 ARCH = "glm4moe"
 
 
-def write_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: int = 64, n_head: int = 4,
-                    n_head_kv: int = 2, n_ff: int = 128, n_ff_exp: int = 32, n_expert: int = 2,
-                    n_trunk: int = 2) -> Path:
-    fields = copy_tokenizer(tokenizer_source)
-    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
+def write_mtp_model(path: Path, tokenizer_source: Path | None, *, agree: bool, tokenizer: dict[str, object] | None = None,
+                    n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128, n_ff_exp: int = 32,
+                    n_expert: int = 2, n_trunk: int = 2) -> Path:
+    """The model; its vocabulary copied from ``tokenizer_source``, or the fields of ``tokenizer``."""
+    fields = copy_tokenizer(tokenizer_source) if tokenizer_source is not None else {}
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data) if fields else len(tokenizer["tokenizer.ggml.tokens"])  # type: ignore[index, arg-type, attr-defined]
     head_dim = n_embd // n_head
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     writer = GGUFWriter(str(tmp), ARCH)
@@ -51,6 +52,7 @@ def write_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: 
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(0)  # all F32
     add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+    add_fields(writer, tokenizer or {})
     rng = np.random.default_rng(11 if agree else 13)
 
     def weight(*shape: int, scale: float = 0.2, out: bool = False) -> np.ndarray:

@@ -44,7 +44,8 @@ def hidden(ctx: Context, n_rows: int) -> np.ndarray:
 
 
 def hidden_row(ctx: Context, i: int, width: int) -> np.ndarray:
-    """The masked hidden state of the last process's entry ``i`` (one that output logits), in place."""
+    """The hidden state of the last decode's entry ``i`` (where the context is masked, ``i`` must be
+    an entry that output logits), in place."""
     ptr = lib.aiollama_get_embeddings_nextn_ith(ctx._get(), i)
     if ptr == ffi.NULL:
         raise InvalidBatchError(f"entry {i} of the last batch kept no hidden state")

@@ -6,10 +6,12 @@ context, on the same weights; the step verifies its drafts like a draft model's 
 
 Each seq id of the MTP context holds, from a start position on, one entry per token the target has
 evaluated and kept: the token at position p, paired with the target's hidden state at p - 1. After
-each target decode, :meth:`MtpDrafter.feed` adds the entries of the tokens it kept (a slice's
-rejected draft tokens are not kept) from the target's hidden states, and remembers the last one's
-state, which the next draft starts from. The target's KV operations are mirrored (a removal cuts,
-a copy shares the cells of a fork's prefix); a sequence whose positions the MTP context cannot
+each target decode, :meth:`MtpDrafter.feed` queues the entries of the tokens it kept (a slice's
+rejected draft tokens are not kept), with the target's hidden states, and remembers the last one's
+state, which the next draft starts from; a sequence's queued entries are decoded with its first
+draft entry, so a stream that does not draft (paused by the adaptive draft length) costs a copy.
+The target's KV operations are mirrored (a removal cuts, a copy shares the cells of a fork's
+prefix); a sequence whose positions the MTP context cannot
 follow (a restored state, a context shift) starts afresh where its next tokens are (its earlier
 entries lost, the drafts weaker, never wrong). Drafts of all streams are decoded together, one
 entry per stream and draft token. Runs on the decode thread, inside the executor.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,9 +30,34 @@ from aiollama.native import Context, DecodeStatus, Model
 from aiollama.native.nextn import NextnBatch, hidden, hidden_row, logits_row, n_embd_out, output_hidden
 from aiollama.sched.step import Copy, Op, Remove, Restore, Shift, Slice
 
+# A sequence's entries wait to be decoded until it drafts (with its first draft entry, in one
+# decode), or until this many wait: a stream that does not draft costs a copy of its states only.
+QUEUE_ROWS = 256
+
 
 class _Full(Exception):
     """The MTP context has no room (or its decode failed): start it afresh."""
+
+
+@dataclass
+class _Entries:
+    """A seq id's entries: from ``start`` on, ``held`` in the MTP context, then ``queued`` (with
+    their states, in blocks); ``last``: the target's state after the last one, if known."""
+
+    start: int
+    held: list[int] = field(default_factory=list)
+    queued: list[int] = field(default_factory=list)
+    states: list[np.ndarray] = field(default_factory=list)
+    last: np.ndarray | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.held) + len(self.queued)
+
+
+# (token, position, seq id, state, key): an entry of a decode; its logits and state are read under
+# ``key`` where that is not None
+Entry = tuple[int, int, int, np.ndarray, int | None]
 
 
 class MtpDrafter:
@@ -49,33 +77,41 @@ class MtpDrafter:
             self._handles = stack.pop_all()
         self.target = target
         output_hidden(target, masked=False)  # every entry's: each kept token becomes an MTP entry
-        output_hidden(self.ctx, masked=True)  # a draft token's, for the next draft token
+        # a draft token's, for the next draft token. Unmasked: a decode mixes queued entries (no
+        # logits) with draft entries, and llama.cpp's MTP graphs keep the masked states of the first
+        # entries, not of those with logits (they only ever decode one kind at a time)
+        output_hidden(self.ctx, masked=False)
         self.width = n_embd_out(self.ctx)
         self.vocab = model.vocab
-        self._start: dict[int, int] = {}  # seq id -> the position of its first entry
-        self._held: dict[int, list[int]] = {}  # seq id -> the tokens of its entries, from the start on
-        self._last: dict[int, np.ndarray] = {}  # seq id -> the target's hidden state after its last entry
+        self._seqs: dict[int, _Entries] = {}
         self.resets = 0
 
     def _end(self, seq_id: int) -> int:
-        return self._start.get(seq_id, 0) + len(self._held.get(seq_id, ()))
+        e = self._seqs.get(seq_id)
+        return e.end if e is not None else 0
 
     def _cut(self, seq_id: int, p0: int) -> None:
-        """Drop the entries from ``p0`` on (all of them where ``p0`` is before the start)."""
-        start = self._start.get(seq_id, 0)
-        held = self._held.get(seq_id, [])
-        if p0 <= start:
+        """Drop the entries from ``p0`` on (all of them where ``p0`` is at or before the start)."""
+        e = self._seqs.get(seq_id)
+        if e is None or p0 >= e.end:
+            return
+        if p0 <= e.start:
             self._forget(seq_id)
-        elif p0 < start + len(held):
+            return
+        in_ctx = e.start + len(e.held)
+        if p0 < in_ctx:
             self.ctx.seq_rm(seq_id, p0, -1)
-            del held[p0 - start:]
-            self._last.pop(seq_id, None)  # the state after the new last entry is not known
+            del e.held[p0 - e.start:]
+            e.queued, e.states = [], []
+        else:
+            keep = p0 - in_ctx
+            e.states = [np.concatenate(e.states)[:keep]] if keep else []
+            del e.queued[keep:]
+        e.last = None  # the state after the new last entry is not known
 
     def _forget(self, seq_id: int) -> None:
         self.ctx.seq_rm(seq_id, 0, -1)
-        self._start.pop(seq_id, None)
-        self._held.pop(seq_id, None)
-        self._last.pop(seq_id, None)
+        self._seqs.pop(seq_id, None)
 
     def mirror(self, ops: Sequence[Op]) -> None:
         """Follow the target's KV operations (before its decode)."""
@@ -84,90 +120,106 @@ class MtpDrafter:
                 self._cut(op.seq_id, op.p0)
             elif isinstance(op, Copy):
                 self._forget(op.dst)
-                if self._start.get(op.src, 0) == 0 and op.n <= self._end(op.src):
+                src = self._seqs.get(op.src)
+                if src is not None and src.start == 0 and 0 < op.n <= src.end:
+                    try:
+                        self._flush([op.src])
+                    except _Full:
+                        self._reset()
+                        continue
                     self.ctx.seq_cp(op.src, op.dst, 0, op.n)
-                    self._start[op.dst] = 0
-                    self._held[op.dst] = self._held.get(op.src, [])[:op.n]
-                    if op.n == self._end(op.src) and op.src in self._last:
-                        self._last[op.dst] = self._last[op.src]
+                    self._seqs[op.dst] = _Entries(0, src.held[:op.n], last=src.last if op.n == src.end else None)
             elif isinstance(op, (Shift, Restore)):  # positions the entries do not follow
                 self._forget(op.seq_id)
 
     def feed(self, kept: Sequence[tuple[int, int, Sequence[int], int]]) -> None:
         """After a target decode: for each ``(seq_id, pos, tokens, row)``, the tokens it kept at
-        ``pos`` on, whose hidden states are the decode's entries from ``row`` on."""
+        ``pos`` on, whose hidden states are the decode's entries from ``row`` on. Their entries
+        are queued (the states copied)."""
         if not kept:
             return
         states = hidden(self.target, max(row + len(tokens) for _, _, tokens, row in kept))
-        tokens: list[int] = []
-        pos: list[int] = []
-        seqs: list[int] = []
-        rows: list[np.ndarray] = []
+        full: list[int] = []
         for seq_id, p, new, row in kept:
             if not new:
                 continue
-            if self._end(seq_id) != p:
-                self._cut(seq_id, p)
-                if self._end(seq_id) != p:  # a gap: start afresh at p
-                    self._forget(seq_id)
-                    self._start[seq_id] = p
-            before = self._last.get(seq_id)
-            rows.append(before[None, :] if before is not None else np.zeros((1, self.width), np.float32))
-            rows.append(states[row:row + len(new) - 1])
-            tokens.extend(new)
-            pos.extend(range(p, p + len(new)))
-            seqs.extend([seq_id] * len(new))
-            self._held.setdefault(seq_id, []).extend(new)
-            self._last[seq_id] = states[row + len(new) - 1].copy()
+            self._cut(seq_id, p)
+            e = self._seqs.get(seq_id)
+            if e is None or e.end != p:  # none yet, or a gap: start afresh at p
+                self._forget(seq_id)
+                e = self._seqs[seq_id] = _Entries(p)
+            before = e.last[None, :] if e.last is not None else np.zeros((1, self.width), np.float32)
+            e.states.append(np.concatenate([before, states[row:row + len(new) - 1]]))
+            e.queued.extend(new)
+            e.last = states[row + len(new) - 1].copy()
+            if len(e.queued) >= QUEUE_ROWS:
+                full.append(seq_id)
         try:
-            self._process(tokens, pos, seqs, np.concatenate(rows) if rows else np.zeros((0, self.width), np.float32))
+            self._flush(full)
         except _Full:
             self._reset()
 
-    def _process(self, tokens: list[int], pos: list[int], seqs: list[int], rows: np.ndarray,
-                 outputs: list[bool] | None = None) -> None:
+    def _flush(self, seq_ids: Sequence[int], extra: Sequence[Entry] = ()) -> dict[int, tuple[int, np.ndarray]]:
+        """Decode the queued entries of ``seq_ids``, then ``extra``; return what the keyed entries
+        chose (greedily) and their states. Raises _Full."""
+        entries: list[Entry] = []
+        for seq_id in seq_ids:
+            e = self._seqs[seq_id]
+            if e.queued:
+                rows = np.concatenate(e.states)
+                p0 = e.start + len(e.held)
+                entries += [(t, p0 + i, seq_id, rows[i], None) for i, t in enumerate(e.queued)]
+                e.held += e.queued
+                e.queued, e.states = [], []
+        return self._run(entries + list(extra))
+
+    def _run(self, entries: list[Entry]) -> dict[int, tuple[int, np.ndarray]]:
+        got: dict[int, tuple[int, np.ndarray]] = {}
         room = self.batch.capacity
-        for i in range(0, len(tokens), room):
-            j = i + room
-            status = self.batch.process(tokens[i:j], pos[i:j], seqs[i:j], rows[i:j],
-                                        outputs[i:j] if outputs is not None else [False] * len(tokens[i:j]))
+        for i in range(0, len(entries), room):
+            chunk = entries[i:i + room]
+            status = self.batch.process([x[0] for x in chunk], [x[1] for x in chunk], [x[2] for x in chunk],
+                                        np.stack([x[3] for x in chunk]), [x[4] is not None for x in chunk])
             if status is not DecodeStatus.OK:
                 raise _Full
+            for j, x in enumerate(chunk):
+                if x[4] is not None:
+                    got[x[4]] = (int(logits_row(self.ctx, j).argmax()), hidden_row(self.ctx, j, self.width).copy())
+        return got
 
     def _reset(self) -> None:
         self.ctx.memory_clear()
-        self._start.clear()
-        self._held.clear()
-        self._last.clear()
+        self._seqs.clear()
         self.resets += 1
 
     def draft(self, wants: Sequence[tuple[int, Sequence[int], int]]) -> list[tuple[int, ...]]:
         """For each ``(seq_id, history, limit)``: up to ``limit`` tokens the MTP layers choose
         greedily after ``history`` (the conversation's tokens, the pending one last), stopping
         before an end-of-generation token. A sequence whose entries do not reach its pending token
-        drafts nothing."""
+        drafts nothing. Its queued entries are decoded with its first draft entry."""
         drafts: dict[int, list[int]] = {}
-        growing: list[tuple[int, int, np.ndarray, int]] = []  # (seq id, position, state, token)
+        growing: list[Entry] = []
         for seq_id, history, limit in wants:
+            e = self._seqs.get(seq_id)
             n = len(history) - 1
-            if limit > 0 and self._end(seq_id) == n and seq_id in self._last:
+            if limit > 0 and e is not None and e.end == n and e.last is not None:
                 drafts[seq_id] = []
-                growing.append((seq_id, n, self._last[seq_id], history[n]))
+                growing.append((history[n], n, seq_id, e.last, seq_id))
         limits = {seq_id: limit for seq_id, _, limit in wants}
         try:
+            got = self._flush(list(drafts), growing)
             while growing:
-                self._process([t for _, _, _, t in growing], [p for _, p, _, _ in growing],
-                              [s for s, _, _, _ in growing], np.stack([h for _, _, h, _ in growing]),
-                              [True] * len(growing))
-                still: list[tuple[int, int, np.ndarray, int]] = []
-                for i, (seq_id, p, _, _) in enumerate(growing):
-                    token = int(logits_row(self.ctx, i).argmax())
+                still: list[Entry] = []
+                for _, p, seq_id, _, _ in growing:
+                    token, state = got[seq_id]
                     if self.vocab.is_eog(token):
                         continue
                     drafts[seq_id].append(token)
                     if len(drafts[seq_id]) < limits[seq_id]:
-                        still.append((seq_id, p + 1, hidden_row(self.ctx, i, self.width).copy(), token))
+                        still.append((token, p + 1, seq_id, state, seq_id))
                 growing = still
+                if growing:
+                    got = self._run(growing)
         except _Full:
             self._reset()
             return [() for _ in wants]

@@ -1,0 +1,104 @@
+"""Speculation with a model's own MTP layers, at 1, 8 and 32 streams: tokens per second against no
+speculation, in the same run, and the share of drafts taken.
+
+    pip install ".[bench]" && python benchmarks/mtp.py            # a few minutes
+
+The models are the tests' MTP models (tests/tiny_mtp.py: GLM-4.5's layout, random weights) made
+deeper and wider, with the tests' small SentencePiece vocabulary, so that the head (one layer and
+the output projection) weighs beside the trunk about what it does in a real model (Qwen3.5-4B:
+one layer of 32, and a head of 248k rows beside a trunk of about 4B weights). "agrees": a head that
+predicts what the model predicts, every draft taken; "never agrees": a random head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from common import machine, save_results  # noqa: E402
+from tiny_model import cached, spm_tokenizer  # noqa: E402
+from tiny_mtp import write_mtp_model  # noqa: E402
+
+import aiollama  # noqa: E402
+
+TOKENS = 96
+SHAPE = dict(n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, n_ff_exp=512, n_trunk=12)
+
+
+def model(agree: bool) -> Path:
+    name = f"bench-mtp-v1-{'agree' if agree else 'random'}.gguf"
+    return cached(aiollama.cache_dir() / "test-models" / name,
+                  lambda p: write_mtp_model(p, None, agree=agree, tokenizer=spm_tokenizer(), **SHAPE))
+
+
+async def rate(path: Path, n: int, **options: Any) -> tuple[float, float]:
+    """Tokens per second of ``n`` greedy streams, and the share of draft tokens taken."""
+    async with aiollama.Engine(path, n_ctx=8192, n_seq_max=max(n, 2), **options) as e:
+        batch = [e.tokenize(f"Tell me a story about tokens {i}", add_special=True) for i in range(n)]
+        await e.generate_parallel(batch[:1], max_tokens=4, temperature=0.0, ignore_eos=True)  # warm up
+        await e.clear_cache()
+        before = e.statistics()
+        started = time.perf_counter()
+        done = await e.generate_parallel(batch, max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+        elapsed = time.perf_counter() - started
+        after = e.statistics()
+    drafted = after.drafted_tokens - before.drafted_tokens
+    taken = after.accepted_tokens - before.accepted_tokens
+    return sum(len(c.tokens) for c in done) / elapsed, (taken / drafted if drafted else 0.0)
+
+
+async def main_async(streams: list[int], draft_tokens: int, rounds: int) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for n in streams:
+        row: dict[str, Any] = {}
+        for agree in (True, False):
+            path = model(agree)
+            ratios, bases = [], []
+            for _ in range(rounds):  # back to back, the median of each pair's ratio
+                base, _ = await rate(path, n)
+                mtp, taken = await rate(path, n, mtp=True, draft_tokens=draft_tokens)
+                ratios.append(mtp / base)
+                bases.append(base)
+            kind = "agrees" if agree else "never"
+            row.update({f"{kind}_none_tok_s": statistics.median(bases), f"{kind}_ratio": statistics.median(ratios),
+                        f"{kind}_ratios": ratios, f"{kind}_taken": taken})
+        rows[str(n)] = row
+        print(n, row, flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    rows = anyio.run(main_async, args.streams, args.draft_tokens, args.rounds)
+    r = {"date": datetime.date.today().isoformat(), "machine": machine(), "tokens": TOKENS, "shape": SHAPE,
+         "draft_tokens": args.draft_tokens, "rounds": args.rounds, "rows": rows}
+    lines = [f"# MTP drafts ({r['date']}, {r['machine']['cpu']}, {r['machine']['cpus']} CPUs)", "",
+             f"Tiny GLM-4.5-layout models ({SHAPE}), greedy, {TOKENS} tokens a stream, drafts of up to "
+             f"{args.draft_tokens} tokens; each ratio is tokens/s against no speculation, run just before it, the "
+             f"median of {args.rounds} such pairs.", "",
+             "| streams | no drafts (tok/s) | agreeing head | its drafts taken | random head | its drafts taken |",
+             "|---|---|---|---|---|---|"]
+    for n, row in rows.items():
+        lines.append(f"| {n} | {row['agrees_none_tok_s']:.1f} | {row['agrees_ratio']:.2f}x | {row['agrees_taken']:.0%} | "
+                     f"{row['never_ratio']:.2f}x | {row['never_taken']:.0%} |")
+    save_results(r, "mtp", "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
