@@ -161,3 +161,27 @@ def test_mtp_settings() -> None:
         EngineConfig(mtp="yes")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="draft_model"):
         EngineConfig(mtp=True, draft_model="x.gguf")
+
+
+def test_a_full_mtp_context_starts_afresh(agreeing: Path) -> None:
+    with Model(agreeing, load_mtp=True) as model, Context(model, n_ctx=2048, n_batch=512, n_seq_max=2) as ctx, \
+            Batch(512) as batch:
+        drafter = MtpDrafter(model, ctx, n_ctx=64, n_seq_max=2, n_threads=1)
+        try:
+            size = drafter.ctx.n_ctx * 3 // 5  # llama.cpp may round the size up: two of them do not fit
+            histories = {}
+            for seq_id in (0, 1):
+                history = [500 + 7 * seq_id + i for i in range(size)]
+                batch.clear()
+                batch.add_tokens(history, 0, seq_id, output_last=True)
+                assert ctx.decode(batch).name == "OK"
+                pending = greedy_rows(ctx, len(history) - 1, 1)[0]
+                drafter.feed([(seq_id, 0, history, 0)])
+                histories[seq_id] = history + [pending]
+            first = drafter.draft([(0, histories[0], 2)])[0]
+            assert len(first) == 2 and drafter.resets == 0
+            assert drafter.draft([(1, histories[1], 2)]) == [()]
+            assert drafter.resets == 1
+            assert drafter.draft([(0, histories[0], 2)]) == [()]  # its entries went too: none until fed again
+        finally:
+            drafter.close()
