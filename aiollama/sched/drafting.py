@@ -15,8 +15,10 @@ MAX_DRAFT_ROWS = 32
 
 
 def add_drafts(slices: list[Slice], drafting: list[int], seqs: Mapping[int, SeqState], *, n_batch: int, n_ctx: int,
-               draft_model: bool) -> int:
-    """Extend the decode slices at ``drafting`` with drafts, in place; return the rows added."""
+               draft_model: bool, share: float = 0.0) -> int:
+    """Extend the decode slices at ``drafting`` with drafts, in place; return the rows added.
+    ``share``: the share of the step's time its rows take; a stream drafts the tokens likely
+    enough to be taken to pay for their rows (:meth:`~aiollama.sched.speculation.DraftLength.worth`)."""
     spare = min(n_batch, MAX_DRAFT_ROWS) - len(slices)
     added = 0
     for i in drafting:
@@ -24,6 +26,8 @@ def add_drafts(slices: list[Slice], drafting: list[int], seqs: Mapping[int, SeqS
         seq = seqs[s.conv]
         assert seq.draft is not None
         limit = min(seq.draft.offer(), spare - added, n_ctx - 1 - s.pos)
+        if limit > 0:
+            limit = min(limit, seq.draft.worth(share))
         if draft_model:
             if limit > 0:
                 slices[i] = Slice(s.conv, s.seq_id, s.pos, s.tokens, True, model_draft=limit, history=seq.tokens)

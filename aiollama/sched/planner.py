@@ -13,6 +13,7 @@ from aiollama.sched.kvcache import KVManager
 from aiollama.sched.lockstep import lockstep
 from aiollama.sched.queues import Queues
 from aiollama.sched.room import fit
+from aiollama.sched.rowcost import RowCost
 from aiollama.sched.sequence import Phase, SeqState
 from aiollama.sched.sharing import Rules, follow, share_prefix
 from aiollama.sched.shifting import shift
@@ -39,6 +40,7 @@ class Planner:
         self.whole_images = config.whole_images
         self.cache_hit_tokens = 0  # tokens an admission did not have to evaluate
         self.drafted = self.accepted = 0  # speculative draft tokens verified, and those the sampler took
+        self.row_cost = RowCost()  # what a decode row costs: whether a draft token pays
         self.admitted: list[int] = []
         self.shifted: list[tuple[int, int, int]] = []
         self.rr = 0
@@ -92,6 +94,9 @@ class Planner:
                 self.kv.restored(seq, bool(ok))
         if result.status is StepStatus.OK:
             drafted, accepted = record(self.kv, self.queues.seqs, plan, result)
+            if result.decode_seconds > 0 and plan.slices and all(len(s.tokens) - s.draft == 1 for s in plan.slices):
+                self.row_cost.add(sum(len(s.tokens) for s in plan.slices) + sum(result.drafted.values()),
+                                  result.decode_seconds)
             for sl in plan.slices if result.discarded else ():
                 held = self.queues.seqs.get(sl.conv)
                 if sl.conv in result.discarded and held is not None and held.seq_id == sl.seq_id:
@@ -169,7 +174,7 @@ class Planner:
             elif not self._follows(seq):
                 prefill.append(seq)
         rows = len(slices) + add_drafts(slices, drafting, self.queues.seqs, n_batch=self.n_batch, n_ctx=self.n_ctx,
-                                        draft_model=self.draft_model)
+                                        draft_model=self.draft_model, share=self.row_cost.share(len(slices)))
         room, first = self.n_batch - rows, len(slices)
         budget = min(room, max(self.step_tokens - rows, MIN_PREFILL_CHUNK))
         if prefill and budget > 0:

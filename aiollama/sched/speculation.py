@@ -96,6 +96,18 @@ class DraftLength:
         else:  # the copy broke off inside the draft: offer about as much as was taken
             self.current = min(self.limit, taken + PAST_TAKEN)
 
+    def worth(self, share: float) -> int:
+        """How many draft tokens pay where a row takes ``share`` of a step (see
+        :mod:`aiollama.sched.rowcost`): the k-th is taken with about p**k, p this stream's rate so
+        far (a prior of one taken and one not); 0 where not even the first pays."""
+        if share <= 0.0:
+            return self.limit
+        p = (self.accepted + 1) / (self.drafted + 2)
+        k = 0
+        while k < self.limit and p ** (k + 1) > share:
+            k += 1
+        return k
+
     def offer(self) -> int:
         """How many tokens this decode may draft (counting down a pause; 1, a probe, after it)."""
         if self.current == 0:
