@@ -4,13 +4,15 @@ by llama.cpp itself without allocating anything.
 The model is loaded with ``no_alloc`` (its metadata and the placement of its tensors, no data) and
 the engine's context is made over it, which simulates its allocations; llama.cpp's own accounting
 then gives, per buffer type, the weights, the context's memory (KV cells, recurrent states) and
-its compute buffers. With ``n_gpu_layers="auto"`` the placement is llama.cpp's own fitting, as the
-engine's. Not counted: a draft model, an image projector, LoRA adapters, and the host cache of
-parked states (its bound is the ``host_cache_bytes`` option).
+its compute buffers (with ``mtp``, the MTP context's too). With ``n_gpu_layers="auto"`` the
+placement is llama.cpp's own fitting, as the engine's. Not counted: a draft model, an image
+projector, LoRA adapters, and the host cache of parked states (its bound is the
+``host_cache_bytes`` option).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -20,9 +22,10 @@ from typing import Any
 from aiollama.config import EngineConfig
 from aiollama.models import default_model
 from aiollama.native import Context
-from aiollama.native.footprint import Buffer, footprint
+from aiollama.native.footprint import Buffer, footprints
 from aiollama.runner.embedder import embed_pooling, embedder_options, is_embedding_model
 from aiollama.runner.executor import load_model, recurrent_config
+from aiollama.runner.mtp import head_options
 from aiollama.runner.shape import context_options
 
 
@@ -99,8 +102,10 @@ def plan(model_path: str | os.PathLike[str] | None = None, **options: Any) -> Pl
             if model.is_recurrent:
                 config = recurrent_config(config, path.name)
             shape = {**context_options(config, model), "reference_kernels": False}
-        with Context(model, **shape) as ctx:
-            buffers = tuple(footprint(ctx))
+        with Context(model, **shape) as ctx, contextlib.ExitStack() as stack:
+            beside = [stack.enter_context(Context(model, **head_options(model, ctx, config.n_threads)))] \
+                if config.mtp and kind == "chat" else []
+            buffers = tuple(footprints(ctx, *beside))
             n_ctx, n_ctx_seq = ctx.n_ctx, ctx.n_ctx_seq
         description = model.description()
     weights, memory, compute = (sum(getattr(b, k) for b in buffers) for k in ("weights", "memory", "compute"))

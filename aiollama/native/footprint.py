@@ -29,3 +29,14 @@ def footprint(ctx: Context) -> list[Buffer]:
     n = lib.aiollama_memory_breakdown(ctx._get(), names, weights, memory, compute, MAX_BUFFERS)
     return [Buffer(ffi.string(names[i]).decode("utf-8", "replace"), int(weights[i]), int(memory[i]), int(compute[i]))
             for i in range(max(0, min(n, MAX_BUFFERS)))]
+
+
+def footprints(ctx: Context, *beside: Context) -> list[Buffer]:
+    """``ctx``'s bytes by buffer type, with the memory and compute buffers of ``beside``: contexts
+    over the same model (whose weights are ``ctx``'s, counted once), such as an MTP context."""
+    held = {b.name: b for b in footprint(ctx)}
+    for other in beside:
+        for b in footprint(other):
+            was = held.get(b.name, Buffer(b.name, 0, 0, 0))
+            held[b.name] = Buffer(b.name, was.weights, was.memory + b.memory, was.compute + b.compute)
+    return list(held.values())

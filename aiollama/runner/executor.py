@@ -142,7 +142,7 @@ def drafter_for(config: EngineConfig, model: Model, ctx: Context) -> Drafter | M
     """What drafts for speculation: the draft model, the model's own MTP layers, or nothing (n-grams
     are the scheduler's)."""
     if config.mtp:
-        return MtpDrafter(model, ctx, n_ctx=ctx.n_ctx, n_seq_max=ctx.n_seq_max, n_threads=config.n_threads)
+        return MtpDrafter(model, ctx, n_threads=config.n_threads)
     if config.draft_model is None:
         return None
     return Drafter(config.draft_model, model.vocab, n_ctx=config.n_ctx, n_batch=ctx.n_batch, n_seq_max=ctx.n_seq_max,
@@ -207,7 +207,8 @@ class NativeExecutor:
         if self.memory == "recurrent":
             self.n_cells = self.ctx.n_ctx_seq * self.n_seq_max  # no KV cells: only seq ids are scarce
         self.fingerprint: Mapping[str, str | int] = fingerprint(self.model, (config.cache_type_k, config.cache_type_v))
-        self.model_info = model_info(self.model, config, self.embeds_only, self.ctx)
+        self.model_info = model_info(self.model, config, self.embeds_only, self.ctx,
+                                     (self._mtp.ctx,) if self._mtp is not None else ())
         self.sampling = Sampling(self.ctx, self.vocab, backend=config.backend_sampling and not self.embeds_only,
                                  gpu_decodes=self._gpu_decodes)
         self._order: OrderedCells | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +61,15 @@ class _Entries:
 Entry = tuple[int, int, int, np.ndarray, int | None]
 
 
+def head_options(model: Model, target: Context, n_threads: int | None) -> dict[str, Any]:
+    """The options of the MTP context of ``target`` (as many cells and seq ids, one cache).
+    Raises InvalidRequestError for a model without MTP layers."""
+    if model.n_layer_nextn == 0:
+        raise InvalidRequestError(f"{model.path} has no multi-token-prediction layers: give mtp=False")
+    return {"n_ctx": target.n_ctx, "n_batch": target.n_batch, "n_seq_max": target.n_seq_max, "n_threads": n_threads,
+            "kv_unified": True, "mtp": True}
+
+
 class MtpDrafter:
     """The MTP context of ``target`` (whose model was loaded with ``load_mtp``). Build and use it
     on the decode thread.
@@ -67,12 +77,9 @@ class MtpDrafter:
     Raises (on creation): InvalidRequestError for a model without MTP layers, ContextCreateError.
     """
 
-    def __init__(self, model: Model, target: Context, *, n_ctx: int, n_seq_max: int, n_threads: int | None) -> None:
-        if model.n_layer_nextn == 0:
-            raise InvalidRequestError(f"{model.path} has no multi-token-prediction layers: give mtp=False")
+    def __init__(self, model: Model, target: Context, *, n_threads: int | None) -> None:
         with contextlib.ExitStack() as stack:
-            self.ctx = stack.enter_context(Context(model, n_ctx=n_ctx, n_batch=target.n_batch, n_seq_max=n_seq_max,
-                                                   n_threads=n_threads, kv_unified=True, mtp=True))
+            self.ctx = stack.enter_context(Context(model, **head_options(model, target, n_threads)))
             self.batch = stack.enter_context(NextnBatch(self.ctx))
             self._handles = stack.pop_all()
         self.target = target

@@ -3,13 +3,13 @@ is for, and the bytes its context holds."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiollama._validate import MAX_SEQ
 from aiollama.config import CACHE_TYPE_BYTES, EngineConfig
 from aiollama.native import Context, Model
-from aiollama.native.footprint import footprint
+from aiollama.native.footprint import footprints
 from aiollama.runner.embedder import embed_pooling
 
 
@@ -38,13 +38,15 @@ def kv_bytes_per_cell(model: Model, config: EngineConfig) -> int:
     return round(each * (CACHE_TYPE_BYTES[config.cache_type_k] + CACHE_TYPE_BYTES[config.cache_type_v]))
 
 
-def model_info(model: Model, config: EngineConfig, embeds_only: bool, ctx: Context) -> Mapping[str, str | int]:
+def model_info(model: Model, config: EngineConfig, embeds_only: bool, ctx: Context,
+               beside: Sequence[Context] = ()) -> Mapping[str, str | int]:
     """What the engine tells of its model: its description, sizes, the KV bytes a cell takes, how
     ``embed()`` pools, what it is for (a reranker, pooled by rank; an embedding model, which cannot
     generate; or chat), and the bytes its context holds as llama.cpp accounts them (weights,
-    memory, compute buffers: what a plan foresees)."""
+    memory, compute buffers: what a plan foresees), with those of the contexts ``beside`` it (an
+    MTP context)."""
     pooling = embed_pooling(model, config.pooling)
-    held = footprint(ctx)
+    held = footprints(ctx, *beside)
     return {"description": model.description(), "ftype": model.ftype, "n_params": model.n_params,
             "size": model.size, "n_embd": model.n_embd, "n_ctx_train": model.n_ctx_train,
             "n_vocab": model.vocab.n_tokens, "kv_bytes_per_cell": kv_bytes_per_cell(model, config), "pooling": pooling,

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from tiny_model import bert_model, mamba_model
+from tiny_mtp import mtp_model
 
 import aiollama
 from aiollama import Engine, ModelEntry, ModelSet, plan
@@ -35,10 +36,11 @@ def models(tiny_path: Path, smollm2_path: Path) -> dict[str, tuple[Path, dict[st
             "unified": (tiny_path, {"n_ctx": 2048, "n_seq_max": 2, "kv_unified": True, "cache_type_k": "f32",
                                     "cache_type_v": "f32"}),
             "embedding": (bert_model(cache, smollm2_path), {}),
-            "recurrent": (mamba_model(cache, smollm2_path), {"n_ctx": 512, "n_seq_max": 2})}
+            "recurrent": (mamba_model(cache, smollm2_path), {"n_ctx": 512, "n_seq_max": 2}),
+            "mtp": (mtp_model(cache, smollm2_path, agree=False), {"n_ctx": 1024, "n_seq_max": 2, "mtp": True})}
 
 
-@pytest.mark.parametrize("name", ["chat", "unified", "embedding", "recurrent"])
+@pytest.mark.parametrize("name", ["chat", "unified", "embedding", "recurrent", "mtp"])
 async def test_the_plan_agrees_with_what_the_engine_holds(models: dict[str, Any], name: str) -> None:
     path, options = models[name]
     planned = plan(path, **options)
@@ -50,6 +52,9 @@ async def test_the_plan_agrees_with_what_the_engine_holds(models: dict[str, Any]
     if name in ("chat", "unified"):
         assert planned.memory_bytes > 0 and planned.kv_bytes_per_cell * planned.n_ctx >= planned.memory_bytes
         assert planned.kv_bytes_per_stream == planned.kv_bytes_per_cell * planned.n_ctx_seq
+    if name == "mtp":  # the MTP context's cells and compute buffers come on top
+        alone = plan(path, **{**options, "mtp": False})
+        assert planned.memory_bytes > alone.memory_bytes and planned.compute_bytes > alone.compute_bytes
     if name == "unified":  # f32 keys and values take twice f16's
         assert planned.kv_bytes_per_cell == 2 * plan(path, n_ctx=2048, n_seq_max=2).kv_bytes_per_cell
 
