@@ -65,7 +65,7 @@ REFUSED: tuple[tuple[str, tuple[str, ...]], ...] = (
                                             "--control-vector-layer-range")),
     ("adapters are loaded with --lora NAME=PATH and each request gives its scale", (
         "--lora-scaled", "--lora-init-without-apply")),
-    ("speculation is --draft-tokens, with n-grams or a --draft-model; its tuning is the engine's", (
+    ("speculation is --draft-tokens, with n-grams, a --draft-model or --mtp; its tuning is the engine's", (
         "--spec-draft-type-k", "-ctkd", "--cache-type-k-draft", "--spec-draft-type-v", "-ctvd", "--cache-type-v-draft",
         "--spec-draft-threads", "-td", "--threads-draft", "--spec-draft-threads-batch", "-tbd",
         "--threads-batch-draft", "--spec-draft-cpu-mask", "-Cd", "--cpu-mask-draft", "--spec-draft-cpu-range",
