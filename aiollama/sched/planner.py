@@ -41,6 +41,7 @@ class Planner:
         self.cache_hit_tokens = 0  # tokens an admission did not have to evaluate
         self.drafted = self.accepted = 0  # speculative draft tokens verified, and those the sampler took
         self.row_cost = RowCost()  # what a decode row costs: whether a draft token pays
+        self.drafts_seen = False  # a stream has drafted: from then on the row cost is fitted
         self.admitted: list[int] = []
         self.shifted: list[tuple[int, int, int]] = []
         self.rr = 0
@@ -94,7 +95,8 @@ class Planner:
                 self.kv.restored(seq, bool(ok))
         if result.status is StepStatus.OK:
             drafted, accepted = record(self.kv, self.queues.seqs, plan, result)
-            if result.decode_seconds > 0 and plan.slices and all(len(s.tokens) - s.draft == 1 for s in plan.slices):
+            fits = self.drafts_seen and result.decode_seconds > 0 and plan.slices
+            if fits and all(len(s.tokens) - s.draft == 1 for s in plan.slices):
                 self.row_cost.add(sum(len(s.tokens) for s in plan.slices) + sum(result.drafted.values()),
                                   result.decode_seconds)
             for sl in plan.slices if result.discarded else ():
@@ -173,8 +175,11 @@ class Planner:
                     slices.append(Slice(seq.conv, seq.seq_id, pos, (seq.tokens[pos],), True))
             elif not self._follows(seq):
                 prefill.append(seq)
-        rows = len(slices) + add_drafts(slices, drafting, self.queues.seqs, n_batch=self.n_batch, n_ctx=self.n_ctx,
-                                        draft_model=self.draft_model, share=self.row_cost.share(len(slices)))
+        rows = len(slices)
+        if drafting:  # an engine without speculation never gets here
+            self.drafts_seen = True
+            rows += add_drafts(slices, drafting, self.queues.seqs, n_batch=self.n_batch, n_ctx=self.n_ctx,
+                               draft_model=self.draft_model, share=self.row_cost.share(len(slices)))
         room, first = self.n_batch - rows, len(slices)
         budget = min(room, max(self.step_tokens - rows, MIN_PREFILL_CHUNK))
         if prefill and budget > 0:
