@@ -37,10 +37,10 @@ from aiollama.native import (
 )
 from aiollama.native.devices import fit, placement
 from aiollama.native.params import context_params
-from aiollama.runner.drafter import Drafter, with_drafts
+from aiollama.runner.drafter import with_drafts
 from aiollama.runner.embedder import Embedder, is_embedding_model
 from aiollama.runner.images import ImageRows, images_for
-from aiollama.runner.mtp import MtpDrafter, kept_tokens
+from aiollama.runner.mtp import MtpDrafter, drafter_for, kept_tokens
 from aiollama.runner.ordered import OrderedCells
 from aiollama.runner.shape import context_options, model_info
 from aiollama.runner.token_choice import Sampling, verify
@@ -138,17 +138,6 @@ class _Decoded:
     starts: list[int]  # the batch entry of each slice's first token
 
 
-def drafter_for(config: EngineConfig, model: Model, ctx: Context) -> Drafter | MtpDrafter | None:
-    """What drafts for speculation: the draft model, the model's own MTP layers, or nothing (n-grams
-    are the scheduler's)."""
-    if config.mtp:
-        return MtpDrafter(model, ctx, n_threads=config.n_threads)
-    if config.draft_model is None:
-        return None
-    return Drafter(config.draft_model, model.vocab, n_ctx=config.n_ctx, n_batch=ctx.n_batch, n_seq_max=ctx.n_seq_max,
-                   n_threads=config.n_threads, n_gpu_layers=-1 if model.n_gpu_layers != 0 else 0)
-
-
 class NativeExecutor:
     """:class:`~aiollama.sched.step.Executor` over llama.cpp. Build it on the thread that will use it.
 
@@ -186,7 +175,7 @@ class NativeExecutor:
                 if self.whole_images:
                     self.projector.max_rows = self.ctx.n_ubatch
                 stack.callback(self._images.close)
-            self._drafter = drafter_for(config, self.model, self.ctx) if not self.embeds_only else None
+            self._drafter = drafter_for(config, self.model, self.ctx, self.embeds_only)
             if self._drafter is not None:
                 stack.callback(self._drafter.close)
             self._mtp = self._drafter if isinstance(self._drafter, MtpDrafter) else None

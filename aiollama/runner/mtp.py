@@ -22,13 +22,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from aiollama.errors import InvalidRequestError
+from aiollama.config import EngineConfig
+from aiollama.errors import InvalidRequestError, UnsupportedModel
 from aiollama.native import Context, DecodeStatus, Model
 from aiollama.native.nextn import NextnBatch, hidden, hidden_row, logits_row, n_embd_out, output_hidden
+from aiollama.runner.drafter import Drafter
 from aiollama.sched.step import Copy, Op, Remove, Restore, Shift, Slice
 
 # A sequence's entries wait to be decoded until it drafts (with its first draft entry, in one
@@ -245,3 +248,19 @@ def kept_tokens(slices: Sequence[Slice], starts: Sequence[int], kept: dict[int, 
     sampler took); nothing of a slice in ``skip`` (thrown away, or whose sampling failed)."""
     return [(s.seq_id, s.pos, s.tokens[:kept.get(s.conv, len(s.tokens))], row)
             for s, row in zip(slices, starts) if s.conv not in skip]
+
+
+def drafter_for(config: EngineConfig, model: Model, ctx: Context, embeds_only: bool) -> Drafter | MtpDrafter | None:
+    """What drafts for speculation: the draft model, the model's own MTP layers, or nothing (n-grams
+    are the scheduler's). UnsupportedModel for drafts asked of an embedding model."""
+    if embeds_only:
+        if config.mtp or config.draft_model is not None:
+            raise UnsupportedModel(f"{Path(model.path).name} is an embedding model: it generates nothing to draft "
+                                   f"(give no {'mtp' if config.mtp else 'draft_model'})")
+        return None
+    if config.mtp:
+        return MtpDrafter(model, ctx, n_threads=config.n_threads)
+    if config.draft_model is None:
+        return None
+    return Drafter(config.draft_model, model.vocab, n_ctx=config.n_ctx, n_batch=ctx.n_batch, n_seq_max=ctx.n_seq_max,
+                   n_threads=config.n_threads, n_gpu_layers=-1 if model.n_gpu_layers != 0 else 0)

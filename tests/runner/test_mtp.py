@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import gather
+from tiny_model import bert_model
 from tiny_mtp import mtp_model
 
 import aiollama
-from aiollama import Engine, EngineConfig, InvalidRequestError
+from aiollama import Engine, EngineConfig, InvalidRequestError, UnsupportedModel
 from aiollama.config import DRAFT_MODEL_TOKENS
 from aiollama.native import Batch, Context, Model
 from aiollama.runner.mtp import MtpDrafter
@@ -152,6 +153,19 @@ async def test_a_model_without_mtp_layers_is_refused(tiny_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="multi-token-prediction"):
         async with Engine(tiny_path, mtp=True):
             pass
+
+
+@pytest.mark.anyio
+async def test_an_embedding_model_refuses_drafts(smollm2_path: Path, tiny_path: Path) -> None:
+    bert = bert_model(aiollama.cache_dir() / "test-models", smollm2_path)
+    with pytest.raises(UnsupportedModel, match="embedding model.*give no mtp"):
+        async with Engine(bert, mtp=True):
+            pass
+    with pytest.raises(UnsupportedModel, match="embedding model.*give no draft_model"):
+        async with Engine(bert, draft_model=tiny_path):
+            pass
+    async with Engine(bert) as engine:  # and without drafts it embeds
+        assert len((await engine.embed(["a cat"]))[0]) > 0
 
 
 def test_mtp_settings() -> None:
