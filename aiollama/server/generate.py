@@ -8,13 +8,13 @@ import random
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
@@ -164,37 +164,51 @@ def _scored(stream: Stream) -> Callable[[], list[TokenLogprob]]:
 Item = tuple[int, Chunk | AiollamaError | None]
 
 
-async def _pump(streams: list[Stream], started: float, state: State, send: MemoryObjectSendStream[Item]) -> None:
-    """Every stream's chunks, in arrival order, as (index, chunk); (index, None) when it ends, with
-    its finish reason on the stream; (index, error) if it fails."""
-    first = True
+class _Seen:
+    """One request's timing metrics as its streams' chunks arrive."""
 
-    metrics = state.metrics
+    def __init__(self, started: float, state: State) -> None:
+        self.started = started
+        self.metrics = state.metrics
+        self.first = True
+
+
+async def _items(i: int, stream: Stream, seen: _Seen) -> AsyncGenerator[Item, None]:
+    """One stream's chunks as (i, chunk); (i, None) when it ends, with its finish reason on the
+    stream; (i, error) if it fails."""
+    metrics = seen.metrics
+    last = 0.0
+    try:
+        try:
+            async for chunk in stream:
+                if chunk.tokens:
+                    now = time.perf_counter()
+                    if seen.first:
+                        seen.first = False
+                        metrics.time_to_first_token.observe(now - seen.started)
+                    if last:
+                        for _ in chunk.tokens:  # a chunk of several tokens (a draft taken) shares its gap
+                            metrics.inter_token_latency.observe((now - last) / len(chunk.tokens))
+                    last = now
+                yield i, chunk
+        except AiollamaError as exc:
+            yield i, exc
+        else:
+            yield i, None
+    finally:
+        if stream.stats is not None:
+            metrics.queue_time.observe(stream.stats.queue_seconds)
+            metrics.e2e_latency.observe(time.perf_counter() - seen.started)
+
+
+async def _pump(streams: list[Stream], seen: _Seen, send: MemoryObjectSendStream[Item]) -> None:
+    """Every stream's items, in arrival order."""
 
     async def one(i: int, stream: Stream) -> None:
-        nonlocal first
-        last = 0.0
         try:
-            try:
-                async for chunk in stream:
-                    if chunk.tokens:
-                        now = time.perf_counter()
-                        if first:
-                            first = False
-                            metrics.time_to_first_token.observe(now - started)
-                        if last:
-                            for _ in chunk.tokens:  # a chunk of several tokens (a draft taken) shares its gap
-                                metrics.inter_token_latency.observe((now - last) / len(chunk.tokens))
-                        last = now
-                    await send.send((i, chunk))
-            except AiollamaError as exc:
-                await send.send((i, exc))
-            else:
-                await send.send((i, None))
-            finally:
-                if stream.stats is not None:
-                    metrics.queue_time.observe(stream.stats.queue_seconds)
-                    metrics.e2e_latency.observe(time.perf_counter() - started)
+            async with aclosing(_items(i, stream, seen)) as items:
+                async for item in items:
+                    await send.send(item)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the response stopped reading: it is closing the job
 
@@ -204,12 +218,17 @@ async def _pump(streams: list[Stream], started: float, state: State, send: Memor
 
 
 @asynccontextmanager
-async def stream_items(streams: list[Stream], started: float,
-                       state: State) -> AsyncIterator[MemoryObjectReceiveStream[Item]]:
-    """The streams' items as they arrive, pumped by tasks that end with the block."""
+async def stream_items(streams: list[Stream], started: float, state: State) -> AsyncIterator[AsyncIterator[Item]]:
+    """The streams' items as they arrive. One stream is read where they are used (no task and no
+    queue between: a hop less a token); several are pumped by tasks that end with the block."""
+    seen = _Seen(started, state)
+    if len(streams) == 1:
+        async with aclosing(_items(0, streams[0], seen)) as items:
+            yield items
+        return
     send, receive = anyio.create_memory_object_stream[Item](64)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_pump, streams, started, state, send)
+        tg.start_soon(_pump, streams, seen, send)
         async with receive:
             yield receive
         tg.cancel_scope.cancel()
