@@ -120,6 +120,7 @@ struct llama_context_params {
     uint32_t n_batch;
     uint32_t n_ubatch;
     uint32_t n_seq_max;
+    uint32_t n_rs_seq;
     uint32_t n_outputs_max;
     int32_t  n_threads;
     int32_t  n_threads_batch;
@@ -230,6 +231,7 @@ uint32_t llama_n_ctx_seq(const struct llama_context * ctx);
 uint32_t llama_n_batch(const struct llama_context * ctx);
 uint32_t llama_n_ubatch(const struct llama_context * ctx);
 uint32_t llama_n_seq_max(const struct llama_context * ctx);
+uint32_t llama_n_rs_seq(const struct llama_context * ctx);
 const struct llama_model * llama_get_model(const struct llama_context * ctx);
 llama_memory_t llama_get_memory(const struct llama_context * ctx);
 void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);

@@ -26,7 +26,7 @@ from aiollama.native.footprint import Buffer, footprints
 from aiollama.runner.embedder import embed_pooling, embedder_options, is_embedding_model
 from aiollama.runner.executor import load_model, recurrent_config
 from aiollama.runner.mtp import head_options
-from aiollama.runner.shape import context_options
+from aiollama.runner.shape import check_rollback, context_options
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,8 @@ def plan(model_path: str | os.PathLike[str] | None = None, **options: Any) -> Pl
                 config = recurrent_config(config, path.name)
             shape = {**context_options(config, model), "reference_kernels": False}
         with Context(model, **shape) as ctx, contextlib.ExitStack() as stack:
+            if kind == "chat":
+                check_rollback(config, ctx, path.name)
             beside = [stack.enter_context(Context(model, **head_options(model, ctx, config.n_threads)))] \
                 if config.mtp and kind == "chat" else []
             buffers = tuple(footprints(ctx, *beside))

@@ -313,4 +313,4 @@ def scheduler_config(executor: Executor, config: EngineConfig) -> SchedulerConfi
         step_tokens=config.step_tokens, max_running=config.n_seq_max, host_bytes=config.host_cache_bytes,
         can_shift=executor.can_shift, ordered=config.deterministic, draft_model=config.draft_model is not None or config.mtp,
         kv_unified=executor.kv_unified, memory=executor.memory, checkpoint_bytes=config.checkpoint_bytes,
-        whole_images=getattr(executor, "whole_images", False))
+        whole_images=getattr(executor, "whole_images", False), rollback=getattr(executor, "rollback", 0))

@@ -131,7 +131,8 @@ class Handlers:
                                          guidance=None if guide is None else (guide, command.guidance_scale))
             try:
                 dropped = self.core.scheduler.submit(conv, n_keep if shifts else None, draft, priority=params.priority,
-                                                guide=guide, score=params.prompt_logprobs is not None)
+                                                guide=guide, score=params.prompt_logprobs is not None,
+                                                max_tokens=params.max_tokens)
             except BaseException:
                 self.core.executor.stop_sampling(conv)
                 raise

@@ -100,11 +100,12 @@ class Context(Handle, MemoryOps):
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
         mtp: bool = False,
+        rollback: int = 0,
     ) -> None:
         params = context_params(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
                                 n_threads=n_threads, n_threads_batch=n_threads_batch, kv_unified=kv_unified,
                                 flash_attn=flash_attn, embeddings=embeddings, pooling=pooling,
-                                cache_type_k=cache_type_k, cache_type_v=cache_type_v, mtp=mtp)
+                                cache_type_k=cache_type_k, cache_type_v=cache_type_v, mtp=mtp, rollback=rollback)
         # The abort flag is read by C after every graph node; Python only stores to it.
         self._abort_flag = ffi.new("int *", 0)
         params.abort_callback = ffi.addressof(lib, "aiollama_abort_cb")
@@ -126,6 +127,9 @@ class Context(Handle, MemoryOps):
         self.n_batch: int = lib.llama_n_batch(ptr)
         self.n_ubatch: int = lib.llama_n_ubatch(ptr)
         self.n_seq_max: int = lib.llama_n_seq_max(ptr)
+        # the tokens of its last decode a sequence's recurrent state can drop (seq_rm from a p0 > 0):
+        # what was asked, or 0 where the model's architecture keeps no snapshots in llama.cpp
+        self.rollback: int = lib.llama_n_rs_seq(ptr)
         if self.n_seq_max > self.n_batch and not embeddings:
             self.close()  # llama.cpp reserves an output row per sequence within the batch's: it would abort
             raise ContextCreateError(f"n_seq_max ({self.n_seq_max}) exceeds the batch ({self.n_batch}, at most "

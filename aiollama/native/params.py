@@ -11,6 +11,9 @@ from aiollama.native.batch import MAX_SEQ
 from aiollama.native.binding import lib
 from aiollama.native.threads import available_cpus
 
+# Recurrent-state snapshots per sequence (each as large as the state): drafts are never longer.
+MAX_ROLLBACK = 32
+
 POOLING = {"none": lib.LLAMA_POOLING_TYPE_NONE, "mean": lib.LLAMA_POOLING_TYPE_MEAN,
            "cls": lib.LLAMA_POOLING_TYPE_CLS, "last": lib.LLAMA_POOLING_TYPE_LAST, "rank": lib.LLAMA_POOLING_TYPE_RANK}
 
@@ -24,15 +27,18 @@ CACHE_TYPES = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "bf16": lib.G
 def context_params(*, n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int | None = None, n_seq_max: int = 1,
                    n_threads: int | None = None, n_threads_batch: int | None = None, kv_unified: bool = True,
                    flash_attn: bool | None = None, embeddings: bool = False, pooling: str | None = None,
-                   cache_type_k: str = "f16", cache_type_v: str = "f16", mtp: bool = False) -> Any:
+                   cache_type_k: str = "f16", cache_type_v: str = "f16", mtp: bool = False, rollback: int = 0) -> Any:
     """A checked ``llama_context_params`` (what :class:`Context` creates its context with); ``mtp``:
     a context that runs the model's multi-token-prediction (NextN) layers, not its trunk.
+    ``rollback``: how many tokens of its last decode a sequence's recurrent state can be cut back
+    by (llama.cpp keeps that many snapshots per sequence; 0 for none, and for models it cannot).
 
     Raises InvalidRequestError for a value out of range or a cache type not in ``CACHE_TYPES``.
     """
     integer("n_ctx", n_ctx, low=0)
     integer("n_batch", n_batch, low=1)
     integer("n_seq_max", n_seq_max, low=1, high=MAX_SEQ)
+    integer("rollback", rollback, low=0, high=MAX_ROLLBACK)
     if n_ubatch is not None:
         integer("n_ubatch", n_ubatch, low=1)
     threads = available_cpus() if n_threads is None else integer("n_threads", n_threads, low=1)
@@ -48,6 +54,7 @@ def context_params(*, n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int | Non
     params.n_batch = n_batch
     params.n_ubatch = n_ubatch if n_ubatch is not None else min(n_batch, 512)
     params.n_seq_max = n_seq_max
+    params.n_rs_seq = rollback
     params.n_threads = threads
     params.n_threads_batch = threads_batch
     params.kv_unified = kv_unified

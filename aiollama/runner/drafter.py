@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from aiollama.errors import InvalidRequestError
+from aiollama.errors import InvalidRequestError, UnsupportedModel
 from aiollama.native import Batch, Context, DecodeStatus, Model, Vocab
 from aiollama.sched.kvtree import common_prefix
 from aiollama.sched.step import Slice
@@ -48,8 +48,9 @@ def check_vocabularies(draft: Vocab, target: Vocab, name: str) -> None:
 class Drafter:
     """A draft model and its context. Build and use it on the decode thread.
 
-    Raises (on creation): ModelLoadError and its subclasses, ContextCreateError, and
-    InvalidRequestError for a model whose vocabulary is not the target's.
+    Raises (on creation): ModelLoadError and its subclasses (UnsupportedModel for a recurrent or
+    hybrid model), ContextCreateError, and InvalidRequestError for a model whose vocabulary is not
+    the target's.
     """
 
     def __init__(self, path: Path, target: Vocab, *, n_ctx: int, n_batch: int, n_seq_max: int,
@@ -57,6 +58,8 @@ class Drafter:
         with contextlib.ExitStack() as stack:
             self.model = stack.enter_context(Model(path, n_gpu_layers=n_gpu_layers))
             check_vocabularies(self.model.vocab, target, path.name)
+            if self.model.is_recurrent:  # its state could not drop the drafts the target rejects
+                raise UnsupportedModel(f"the draft model {path.name} is a recurrent or hybrid model: give a transformer")
             self.ctx = stack.enter_context(Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
                                                    n_threads=n_threads, kv_unified=True))
             self.batch = stack.enter_context(Batch(self.ctx.n_batch))

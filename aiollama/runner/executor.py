@@ -20,7 +20,6 @@ from typing import Any
 from aiollama._validate import MAX_SEQ
 from aiollama.config import EngineConfig
 from aiollama.errors import (
-    DecodeError,
     InvalidRequestError,
     StateRestoreError,
     UnsupportedModel,
@@ -42,7 +41,8 @@ from aiollama.runner.embedder import Embedder, is_embedding_model
 from aiollama.runner.images import ImageRows, images_for
 from aiollama.runner.mtp import MtpDrafter, drafter_for, kept_tokens
 from aiollama.runner.ordered import OrderedCells
-from aiollama.runner.shape import context_options, model_info
+from aiollama.runner.removal import Removal
+from aiollama.runner.shape import check_rollback, context_options, model_info
 from aiollama.runner.token_choice import Sampling, verify
 from aiollama.runner.tokenizer import VocabTokenizer
 from aiollama.sampling import SamplingParams
@@ -99,13 +99,14 @@ def recurrent_config(config: EngineConfig, name: str) -> EngineConfig:
     """The settings a recurrent or hybrid model runs with: checkpoints (see
     :mod:`aiollama.sched.checkpoints`) in a unified cache (a split cache copies a whole sequence
     where a prefix is shared and cuts the copy after it, which a recurrent state cannot follow).
-    Raises UnsupportedModel for the modes that drop the tail of a sequence at any time."""
+    Raises UnsupportedModel for the modes that drop the tail of a sequence at any time (drafts drop
+    theirs within the last decode: see :func:`~aiollama.runner.shape.check_rollback`)."""
     if config.deterministic:
         raise UnsupportedModel(f"{name} is a recurrent or hybrid model: the deterministic mode re-lays "
                                "KV cells in position order, which a recurrent state does not have")
-    if config.draft_model is not None or config.draft_tokens:
-        raise UnsupportedModel(f"{name} is a recurrent or hybrid model: rejected draft tokens cannot be "
-                               "dropped from its recurrent state (no draft_model, no mtp, draft_tokens=0)")
+    if config.mtp:
+        raise UnsupportedModel(f"{name} is a recurrent or hybrid model: MTP drafts are not available for it "
+                               "(give no mtp; n-gram and draft-model drafts are, where llama.cpp can roll its state back)")
     # llama.cpp allocates a recurrent state for every seq id up front (megabytes each in a real
     # model): cached prefixes get as many ids as streams, not the hundreds an attention model gets
     ids = config.cache_seq_ids if config.cache_seq_ids is not None and config.kv_unified else config.n_seq_max
@@ -161,6 +162,7 @@ class NativeExecutor:
                 self.ctx, self.batch = self._embedder.ctx, self._embedder.batch
             else:
                 self.ctx = stack.enter_context(Context(self.model, **context_options(config, self.model)))
+                check_rollback(config, self.ctx, model_path.name)
                 self.batch = stack.enter_context(Batch(self.ctx.n_batch))
             self._loras = {name: stack.enter_context(LoraAdapter(self.model, path)) for name, path in config.lora.items()}
             if self._loras:
@@ -210,6 +212,8 @@ class NativeExecutor:
             except UnsupportedModel:
                 self.close()
                 raise
+        self._remove = Removal(self.ctx, self._order)
+        self.rollback = self.ctx.rollback  # drafts on a recurrent state: see aiollama.runner.removal
 
     def start_sampling(self, conv: int, params: SamplingParams, history: Sequence[int],
                        matcher: Any = None, guidance: tuple[int, float] | None = None) -> None:
@@ -268,6 +272,7 @@ class NativeExecutor:
         start = time.perf_counter()
         try:
             status = self._decode(batch, None if called else on_decode) if len(batch) else DecodeStatus.OK
+            self._remove.decoded(s.seq_id for s in slices)
         finally:
             # Not cleared before the decode: a cancel that arrives between planning and decoding
             # must still interrupt it.
@@ -299,7 +304,7 @@ class NativeExecutor:
         failed: dict[int, BaseException] = {}
         chosen = self.sampling.sample(outputs, failed)
         if drafts:
-            chosen = verify(self.sampling, self._remove, chosen, outputs, drafts, failed)
+            chosen = verify(self.sampling, self._remove.draft, chosen, outputs, drafts, failed)
         if self._mtp is not None:  # the tokens kept: a drafted slice's pending one and the drafts taken
             kept = {s.conv: max(1, len(chosen[i])) for i, s in drafts}
             self._mtp.feed(kept_tokens(d.slices, d.starts, kept, gone | failed.keys()))
@@ -322,6 +327,7 @@ class NativeExecutor:
             if isinstance(op, Remove):
                 self._remove(op.seq_id, op.p0, -1)
             elif isinstance(op, Copy):
+                self._remove.settle(op.src, op.dst)
                 if self.ctx.kv_unified:
                     self.ctx.seq_cp(op.src, op.dst, 0, op.n)
                 else:  # across caches llama.cpp copies a whole sequence: cut the copy after n
@@ -342,12 +348,6 @@ class NativeExecutor:
                 assert self._order is not None
                 self._order.compact(op.relays)
         return {"parked": parked, "restored": restored, "checkpoints": checkpoints}
-
-    def _remove(self, seq_id: int, p0: int, p1: int) -> None:
-        if self._order is not None:
-            self._order.hold(seq_id, p0, p1)
-        if not self.ctx.seq_rm(seq_id, p0, p1):
-            raise DecodeError(f"llama.cpp could not remove positions {p0}..{p1} of sequence {seq_id}")
 
     def read_state(self, seq_id: int) -> bytes:
         return self.ctx.seq_state(seq_id)

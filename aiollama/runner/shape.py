@@ -8,6 +8,7 @@ from typing import Any
 
 from aiollama._validate import MAX_SEQ
 from aiollama.config import CACHE_TYPE_BYTES, EngineConfig
+from aiollama.errors import UnsupportedModel
 from aiollama.native import Context, Model
 from aiollama.native.footprint import footprints
 from aiollama.runner.embedder import embed_pooling
@@ -25,7 +26,15 @@ def context_options(config: EngineConfig, model: Model) -> dict[str, Any]:
     return {"n_ctx": config.n_ctx, "n_batch": config.n_batch, "n_seq_max": ids, "n_threads": config.n_threads,
             "kv_unified": config.kv_unified, "flash_attn": True if config.deterministic else config.flash_attn,
             "cache_type_k": config.cache_type_k, "cache_type_v": config.cache_type_v,
-            "reference_kernels": config.deterministic}
+            "reference_kernels": config.deterministic, "rollback": config.draft_tokens if model.is_recurrent else 0}
+
+
+def check_rollback(config: EngineConfig, ctx: Context, name: str) -> None:
+    """Drafts on a recurrent or hybrid model drop their rejected tokens by rolling the state back
+    within its last decode; UnsupportedModel where llama.cpp keeps no snapshots for the model."""
+    if ctx.model.is_recurrent and config.draft_tokens and ctx.rollback < config.draft_tokens:
+        raise UnsupportedModel(f"{name} is a recurrent or hybrid model whose state llama.cpp cannot roll back: "
+                               "rejected draft tokens cannot be dropped from it (no draft_model, draft_tokens=0)")
 
 
 def kv_bytes_per_cell(model: Model, config: EngineConfig) -> int:

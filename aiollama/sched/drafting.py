@@ -26,6 +26,8 @@ def add_drafts(slices: list[Slice], drafting: list[int], seqs: Mapping[int, SeqS
         seq = seqs[s.conv]
         assert seq.draft is not None
         limit = min(seq.draft.offer(), spare - added, n_ctx - 1 - s.pos)
+        if seq.end_at is not None:  # a token after the pending one, one after each draft token taken: none past the end
+            limit = min(limit, seq.end_at - len(seq.tokens) - 1)
         if limit > 0:
             limit = min(limit, seq.draft.worth(share))
         if draft_model:

@@ -63,7 +63,7 @@ def memory_rules(config: SchedulerConfig, disk: DiskTier | None = None) -> Rules
     if config.memory == "kv":
         return CellRules(KVManager(n_cells, config.n_seq_max, host, ordered=config.ordered))
     return StateRules(RecurrentKV(n_cells, config.n_seq_max, host, checkpoints=CheckpointStore(config.checkpoint_bytes),
-                                  cells_held=config.memory == "hybrid"))
+                                  cells_held=config.memory == "hybrid"), config.rollback)
 
 
 class Scheduler:
@@ -215,13 +215,15 @@ class Scheduler:
     # generations
 
     def submit(self, conv: int, n_keep: int | None = None, draft: int = 0, *, priority: int = 0,
-               guide: int | None = None, score: bool = False) -> tuple[int, int] | None:
+               guide: int | None = None, score: bool = False, max_tokens: int | None = None) -> tuple[int, int] | None:
         """The conversation wants to generate. With ``n_keep`` (a context-shift policy) a history too
         long for the context loses part of what follows its first ``n_keep`` tokens, and this
         returns ``(n_keep, n_dropped)``; without, it raises ContextFull. ``draft`` > 0: decode
         steps carry n-gram drafts of up to that many tokens. ``guide``: a conversation decoded in
         lockstep with this one (classifier-free guidance), which gets every sampled token too.
-        ``score``: the prompt is evaluated whole, with every row's logits (prompt log-probabilities)."""
+        ``score``: the prompt is evaluated whole, with every row's logits (prompt log-probabilities).
+        ``max_tokens``: the generation's length, which drafts do not go past (their tokens beyond it
+        would be thrown away, and cut from a recurrent state only by going back to a checkpoint)."""
         seq = self._queues.seqs[conv]
         partner = None if guide is None else self._queues.seqs[guide]
         _check_submit(seq, partner, n_keep, self.n_ctx)
@@ -235,7 +237,9 @@ class Scheduler:
             del seq.tokens[n_keep:n_keep + n]
             dropped = (n_keep, n)
         seq.n_keep = n_keep
-        seq.draft = DraftLength(draft) if draft > 0 and partner is None and self._rules.drafts else None
+        draft = min(draft, self._rules.max_draft)
+        seq.draft = DraftLength(draft) if draft > 0 and partner is None else None
+        seq.end_at = None if max_tokens is None else len(seq.tokens) + max_tokens
         seq.prompt_tokens, seq.cached_tokens, seq.preemptions, seq.restores = -1, 0, 0, 0
         seq.prompt_evaluated, seq.score = 0, score
         seq.priority, seq.queued_at, seq.preempted = priority, self._queues.clock(), False

@@ -37,6 +37,7 @@ class SeqState:
     checkpoint_at: int = 0  # recurrent: where its last checkpoint was taken (or it started from one)
     n_keep: int | None = None  # context shift: keep this many first tokens; None: no shift
     draft: DraftLength | None = None  # n-gram speculation for the current generation; None: none
+    end_at: int | None = None  # the history's length once max_tokens are generated (drafts stop short of it)
     priority: int = 0  # of the current generation: lower values are admitted, evaluated and kept first
     queued_at: float = 0.0  # when it was submitted (its priority improves with the wait)
     preempted: bool = False  # waits after a preemption: first among its equals

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from aiollama.sampling import MAX_DRAFT_TOKENS
 from aiollama.sched.checkpoints import CHECKPOINT_EVERY
 from aiollama.sched.hostcache import Parked
 from aiollama.sched.kvcache import KVManager
@@ -30,7 +31,7 @@ MIN_RESTORE_GAIN = 16
 class CellRules:
     """A transformer's cache: cells are shared up to any position, and cut back anywhere."""
 
-    drafts = True  # cells past a rejected draft token can be removed, so steps may carry drafts
+    max_draft = MAX_DRAFT_TOKENS  # cells past a rejected draft token can be removed, so steps may carry drafts
     whole_states = False  # a parked state may be put back and cut to any prefix of it
 
     def __init__(self, kv: KVManager) -> None:
@@ -75,13 +76,14 @@ class CellRules:
 
 class StateRules:
     """A recurrent or hybrid model's memory (:class:`~aiollama.sched.recurrent.RecurrentKV`): a
-    state is shared whole or from a checkpoint, and cannot be cut back past a rejected draft."""
+    state is shared whole or from a checkpoint, and cut back only within its last decode, by up to
+    ``rollback`` tokens (llama.cpp's snapshots, where the model has them): drafts are no longer."""
 
-    drafts = False
     whole_states = True  # a parked state is put back whole or not at all
 
-    def __init__(self, kv: RecurrentKV) -> None:
+    def __init__(self, kv: RecurrentKV, rollback: int = 0) -> None:
         self.kv = kv
+        self.max_draft = rollback
 
     def cached_prefix(self, seq: SeqState, limit: int) -> int:
         """The most of ``seq``'s first ``limit`` tokens a whole holder or a checkpoint gives."""

@@ -22,7 +22,9 @@ class SchedulerConfig:
     deterministic mode). ``draft_model``: drafts come from the executor's draft model, not n-grams.
     ``kv_unified``: one pool of cells for every seq id (idle cells are then given back under load).
     ``memory``: "kv", or "hybrid" and "recurrent" for models with recurrent states, checkpointed in
-    ``checkpoint_bytes`` of host memory. ``whole_images``: a picture's rows go in one step."""
+    ``checkpoint_bytes`` of host memory. ``whole_images``: a picture's rows go in one step.
+    ``rollback``: the tokens of its last decode a recurrent state can drop (drafts on a recurrent or
+    hybrid model are no longer)."""
 
     n_ctx: int
     n_seq_max: int
@@ -38,6 +40,7 @@ class SchedulerConfig:
     memory: str = "kv"
     checkpoint_bytes: int = 0
     whole_images: bool = False
+    rollback: int = 0
 
     def __post_init__(self) -> None:
         if self.step_tokens < 1:

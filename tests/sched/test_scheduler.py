@@ -378,3 +378,30 @@ def test_a_split_cache_keeps_its_idle_cells_under_load() -> None:
     h.start(3, list(range(300, 310)), 30)
     h.step()
     assert h.sched._kv.cells.used == 43 + 10  # each seq id's cells are its own: nobody's step reads them
+
+
+@pytest.mark.parametrize(("memory", "rollback", "want"), [("kv", 0, 4), ("hybrid", 2, 2), ("hybrid", 0, 0)])
+def test_drafts_stop_short_of_max_tokens_and_of_what_a_state_can_roll_back(monkeypatch: pytest.MonkeyPatch,
+                                                                           memory: str, rollback: int,
+                                                                           want: int) -> None:
+    import aiollama.sched.speculation as speculation
+
+    monkeypatch.setattr(speculation, "START", 4)  # a first draft of the whole length
+    sched = Scheduler(SchedulerConfig(n_ctx=64, n_seq_max=2, n_batch=64, step_tokens=64, memory=memory,
+                                      rollback=rollback))
+    sched.add(1, [1, 2, 3, 4, 5, 6, 1, 2, 3])
+    sched.submit(1, draft=4, max_tokens=7)
+    plan = sched.schedule()  # the prompt (a recurrent state's last token waits for a checkpoint)
+    while plan.slices[0].pos + len(plan.slices[0].tokens) < 9:
+        sched.update(plan, StepResult(StepStatus.OK))
+        plan = sched.schedule()
+    sched.update(plan, StepResult(StepStatus.OK, (Sampled(1, 4, b"", False),)))
+    plan = sched.schedule()  # the pending 4, and a draft from the history: 5, 6, 1, 2
+    (s,) = plan.slices
+    assert s.draft == want and s.tokens[1:] == (5, 6, 1, 2)[:want]
+    cycle = (5, 6, 1, 2, 3, 4)  # the history goes on repeating itself: an n-gram draft always has one
+    taken = [Sampled(1, t, b"", False) for t in cycle[:want + 1]]
+    sched.update(plan, StepResult(StepStatus.OK, tuple(taken)))
+    (s,) = sched.schedule().slices
+    left = 9 + 7 - len(sched.get(1).tokens)  # tokens still to generate, the pending one's successor first
+    assert s.draft == min(want, left - 1)  # kv: 6 of 7 generated, no draft; hybrid: what a state rolls back

@@ -1,0 +1,99 @@
+"""Speculation on a hybrid model (the tiny LFM2: short convolutions beside attention), whose
+recurrent state drops a rejected draft by rolling back within its last decode (llama.cpp's
+snapshots, ``aiollama.runner.removal``): greedy text identical to no drafts, with n-gram drafts and
+with a draft model, across streams, forks and new turns; a model whose state llama.cpp cannot roll
+back refuses drafts, and MTP is refused on both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import gather
+from tiny_model import lfm2_model, mamba_model
+
+import aiollama
+from aiollama import Engine
+from aiollama.errors import UnsupportedModel
+
+pytestmark = pytest.mark.anyio
+
+PROMPTS = [[1, *([504, 3426, 314, 3599, 284] * 6)], [1, *([260, 2116, 1030] * 8)],
+           [1, *([42, 43, 44, 45, 46, 47] * 4)], [1, 504, 3426, 314, 3599, 284, 260, 2116, 504, 3426]]
+# a random model's text never repeats itself; biased to four tokens it does, in patterns that
+# break off now and then: n-gram drafts are taken, and rejected
+BIAS = {token: 40.0 for token in (500, 501, 502, 503)}
+GREEDY: dict[str, Any] = dict(max_tokens=40, temperature=0.0, ignore_eos=True, logit_bias=BIAS)
+
+
+@pytest.fixture(scope="module")
+def lfm2(smollm2_path: Path) -> Path:
+    return lfm2_model(aiollama.cache_dir() / "test-models", smollm2_path)
+
+
+async def outputs(path: Path, **options: Any) -> tuple[list[list[int]], Any]:
+    async with Engine(path, n_ctx=2048, n_seq_max=4, **options) as engine:
+        outs = await gather(*(engine.conversation(p).stream(**GREEDY) for p in PROMPTS))
+        return [o.tokens for o in outs], engine.statistics()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+async def test_n_gram_drafts_on_a_hybrid_model_give_the_text_without_them(lfm2: Path, overlap: bool) -> None:
+    plain, _ = await outputs(lfm2)
+    drafted, stats = await outputs(lfm2, draft_tokens=4, overlap=overlap)
+    assert drafted == plain
+    # drafts were taken, and rejected ones rolled back (the text above depends on it)
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens, stats
+
+
+async def test_a_draft_model_on_a_hybrid_model_gives_the_text_without_it(lfm2: Path, tiny_path: Path) -> None:
+    plain, _ = await outputs(lfm2)
+    drafted, stats = await outputs(lfm2, draft_model=tiny_path, draft_tokens=3)
+    assert drafted == plain
+    assert stats.drafted_tokens > stats.accepted_tokens  # a random draft model: rejected, rolled back
+
+
+async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives(lfm2: Path) -> None:
+    """A fork or a new turn copies (or shares) the state a drafted step left, rollback and all:
+    replies of several lengths, so that some end on a step whose draft was cut back."""
+    lengths = range(6, 30, 2)
+    cases: list[tuple[list[int], list[int], list[int]]] = []  # (reply, fork's, next turn's)
+    async with Engine(lfm2, n_ctx=2048, n_seq_max=4) as plain:
+        for n in lengths:
+            first = (await plain.conversation(PROMPTS[0], cache_salt=f"a{n}").stream(**{**GREEDY, "max_tokens": n})).tokens
+            history = PROMPTS[0] + first
+            fork = (await plain.conversation(history + [504], cache_salt=f"b{n}").stream(**GREEDY)).tokens
+            turn = (await plain.conversation(history + [505], cache_salt=f"c{n}").stream(**GREEDY)).tokens
+            cases.append((first, fork, turn))
+    async with Engine(lfm2, n_ctx=4096, n_seq_max=4, draft_tokens=4) as engine:
+        for n, (first, fork, turn) in zip(lengths, cases):
+            conv = engine.conversation(PROMPTS[0], cache_salt=str(n))
+            assert (await conv.stream(**{**GREEDY, "max_tokens": n})).tokens == first
+            child = conv.fork()
+            child.prompt([504])
+            conv.prompt([505])
+            got_fork = await child.stream(**GREEDY)  # first: the parent's state is still the reply's end
+            got_turn = await conv.stream(**GREEDY)
+            assert (got_fork.tokens, got_turn.tokens) == (fork, turn), n
+            # the whole state is shared (with the reply's last token when a draft took it)
+            assert got_fork.stats is not None and got_fork.stats.cached_tokens >= len(PROMPTS[0]) + n - 1
+            await gather(conv.aclose(), child.aclose())
+        assert engine.statistics().drafted_tokens > engine.statistics().accepted_tokens > 0
+
+
+async def test_a_model_whose_state_cannot_roll_back_refuses_drafts(smollm2_path: Path, lfm2: Path) -> None:
+    mamba = mamba_model(aiollama.cache_dir() / "test-models", smollm2_path)
+    with pytest.raises(UnsupportedModel, match="cannot roll back.*draft_tokens=0"):
+        async with Engine(mamba, n_ctx=256, draft_tokens=4):
+            pass
+    with pytest.raises(UnsupportedModel, match="give no mtp"):
+        async with Engine(lfm2, n_ctx=256, mtp=True):
+            pass
+    with pytest.raises(UnsupportedModel, match="draft model .* recurrent or hybrid"):
+        async with Engine(smollm2_path, n_ctx=256, draft_model=lfm2):
+            pass
+    async with Engine(mamba, n_ctx=256) as engine:  # without drafts it serves, and a request's own
+        conv = engine.conversation([1, 504, 3426, 314] * 4)  # n-gram drafts are left out
+        out = await conv.stream(max_tokens=12, temperature=0.0, ignore_eos=True, draft_tokens=4)
+        assert len(out.tokens) == 12 and engine.statistics().drafted_tokens == 0
