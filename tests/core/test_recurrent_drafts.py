@@ -14,7 +14,7 @@ from helpers import gather
 from tiny_model import lfm2_model, mamba_model
 
 import aiollama
-from aiollama import Engine
+from aiollama import Engine, FinishReason
 from aiollama.errors import UnsupportedModel
 
 pytestmark = pytest.mark.anyio
@@ -45,6 +45,28 @@ async def test_n_gram_drafts_on_a_hybrid_model_give_the_text_without_them(lfm2: 
     assert drafted == plain
     # drafts were taken, and rejected ones rolled back (the text above depends on it)
     assert 0 < stats.accepted_tokens < stats.drafted_tokens, stats
+
+
+async def test_streams_that_a_stop_string_ends_mid_step_go_on_as_without_drafts(lfm2: Path) -> None:
+    """A stop string ends streams while overlapped steps with drafts are in flight (their rows
+    thrown away: the state goes back to a checkpoint); the next turn gives the same text."""
+    stopping = {**GREEDY, "stop": [" k they they", " k k k"]}
+
+    async def turns(**options: Any) -> tuple[list[tuple[str, list[int], FinishReason]], int]:
+        async with Engine(lfm2, n_ctx=2048, n_seq_max=4, **options) as engine:
+            convs = [engine.conversation(p) for p in PROMPTS]
+            first = await gather(*(c.stream(**stopping) for c in convs))
+            for c in convs:
+                c.prompt([504, 3426])
+            second = await gather(*(c.stream(**GREEDY) for c in convs))
+            outs = [(o.text, o.tokens, o.finish_reason) for o in first + second]
+            return outs, engine.statistics().discarded_tokens
+
+    plain, _ = await turns()
+    assert sum(reason is FinishReason.STOP for _, _, reason in plain[:4]) >= 2
+    drafted, discarded = await turns(draft_tokens=4, overlap=True)
+    assert drafted == plain
+    assert discarded > 0  # rows of stopped streams were in flight, and thrown away
 
 
 async def test_a_draft_model_on_a_hybrid_model_gives_the_text_without_it(lfm2: Path, tiny_path: Path) -> None:
