@@ -10,7 +10,9 @@ the tokens it has seen (None: half computed, after a failed decode). As in llama
 gives the destination the source's whole state whatever the range, a ``Remove`` that would cut into
 a state fails (the fake asserts), a checkpoint copies the state out and a partial ``Restore`` puts
 one back, and a decode asserts that the state is the one after the sequence's cells: a scheduler
-that breaks a rule fails here, not in a model's nonsense."""
+that breaks a rule fails here, not in a model's nonsense. With ``rollback`` > 0 a state can also be
+rolled back (``roll_back``) by up to that many of the tokens its last decode gave it, once between
+decodes, as llama.cpp's ``n_rs_seq`` snapshots allow: how a rejected draft leaves it."""
 
 from __future__ import annotations
 
@@ -32,8 +34,11 @@ from aiollama.sched.step import (
 
 
 class FakeKV:
-    def __init__(self, n_ctx: int, n_seq_max: int, *, ordered: bool = False, recurrent: bool = False) -> None:
+    def __init__(self, n_ctx: int, n_seq_max: int, *, ordered: bool = False, recurrent: bool = False,
+                 rollback: int = 0) -> None:
         self.recurrent = recurrent
+        self.rollback = rollback
+        self.last: dict[int, int] = {}  # recurrent: seq id -> tokens its last decode gave it (0: rolled back since)
         self.states: dict[int, tuple[int, ...] | None] = {}  # recurrent: seq id -> the tokens its state saw
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
@@ -73,6 +78,7 @@ class FakeKV:
                         self.states.pop(op.seq_id, None)
                 self.remove(op.seq_id, op.p0)
             elif isinstance(op, Copy):
+                self.last.pop(op.dst, None)
                 for p, ids, _ in self.cells:
                     if op.src in ids and p < op.n:
                         ids.add(op.dst)
@@ -94,10 +100,12 @@ class FakeKV:
                 self.compact(op.relays)
             elif isinstance(op, Restore) and op.partial:
                 assert self.recurrent
+                self.last.pop(op.seq_id, None)  # a state put back has no snapshots
                 self.states[op.seq_id] = pickle.loads(op.data)
                 restored[op.seq_id] = True
             else:
                 assert isinstance(op, Restore)
+                self.last.pop(op.seq_id, None)
                 restored[op.seq_id] = self.write(op.seq_id, op.data)
         return {"parked": parked, "restored": restored, "checkpoints": checkpoints}
 
@@ -109,6 +117,19 @@ class FakeKV:
         self.cells = [(p, ids, t) for p, ids, t in self.cells if ids]
         if self.ordered:
             self.tombstones += used - len(self.cells)
+
+    def roll_back(self, seq_id: int, p0: int) -> None:
+        """A recurrent state goes back to position ``p0`` within its last decode (its cells after
+        it go too); the fake asserts llama.cpp's bounds."""
+        assert self.recurrent
+        state = self.states.get(seq_id)
+        assert state is not None
+        n = len(state) - p0
+        assert 1 <= n <= min(self.rollback, self.last.get(seq_id, 0)), \
+            f"seq_rm({seq_id}, {p0}) rolls back {n} tokens: {self.rollback} snapshots, {self.last.get(seq_id, 0)} decoded"
+        self.last[seq_id] = 0  # once between decodes
+        self.states[seq_id] = state[:p0]
+        self.remove(seq_id, p0)
 
     def compact(self, relays: Sequence[Relay]) -> None:
         """Save every sequence, empty the cache, put each back: a donor's first positions shared,
@@ -164,6 +185,7 @@ class FakeKV:
                     f"seq {s.seq_id}: its recurrent state is not the one after its cells"
                 if limit is not None:  # a failed decode leaves the state of its sequences half computed
                     self.states[s.seq_id] = None
+                self.last[s.seq_id] = len(s.tokens) if limit is None else 0
         for s in plan.slices:
             for i, token in enumerate(s.tokens):
                 if limit is not None and stored >= limit:

@@ -52,16 +52,22 @@ def picture(number: int) -> list[int]:
 class SchedulerMachine(RuleBasedStateMachine):
     memory = "kv"
     images = False
+    rollback = 0  # hybrid: the tokens of its last decode a state can drop (drafts are no longer)
 
     @initialize(host=st.sampled_from([0, HOST]), checkpoints=st.sampled_from([0, HOST]))
     def setup(self, host: int, checkpoints: int) -> None:
         self.sched = Scheduler(SchedulerConfig(n_ctx=N_CTX, n_seq_max=N_SEQ_IDS, n_batch=N_BATCH, step_tokens=STEP,
                                                max_running=MAX_RUNNING, host_bytes=host, memory=self.memory,
-                                               checkpoint_bytes=checkpoints, whole_images=self.images))
-        self.kv = FakeKV(N_CTX, N_SEQ_IDS, recurrent=self.memory != "kv")
+                                               checkpoint_bytes=checkpoints, whole_images=self.images,
+                                               rollback=self.rollback))
+        self.kv = FakeKV(N_CTX, N_SEQ_IDS, recurrent=self.memory != "kv", rollback=self.rollback)
         self.next_id = 1
         self.limits: dict[int, int] = {}  # running generations: tokens still to generate
         self.cancelled: set[int] = set()
+
+    def said(self, pos: int) -> int:
+        """The token the fake model chooses at ``pos``: always 7."""
+        return 7
 
     def _live(self) -> list[int]:
         return sorted(s.conv for s in self.sched.sequences())
@@ -200,16 +206,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert s.conv in self.limits
         assert self.kv.decode(plan), "the plan did not fit the KV cache"
         sampled: list[Sampled] = []
-        for s in plan.slices:  # the model always says 7; a draft is taken while it says 7 too
+        for s in plan.slices:  # the model says said(position); a draft is taken while it says the same
             if not s.logits:
                 continue
-            sampled.append(Sampled(s.conv, 7, b"", False))
+            at = s.pos + len(s.tokens) - s.draft  # the position of the token this row chooses
+            sampled.append(Sampled(s.conv, self.said(at), b"", False))
             taken = 0
-            while taken < s.draft and s.tokens[1 + taken] == 7:
+            while taken < s.draft and s.tokens[1 + taken] == self.said(at + taken):
                 taken += 1
-                sampled.append(Sampled(s.conv, 7, b"", False))
-            if taken < s.draft:
+                sampled.append(Sampled(s.conv, self.said(at + taken), b"", False))
+            if taken < s.draft and self.memory == "kv":
                 self.kv.remove(s.seq_id, s.pos + 1 + taken)
+            elif taken < s.draft:
+                assert s.draft <= self.rollback
+                self.kv.roll_back(s.seq_id, s.pos + 1 + taken)
         self.sched.update(plan, StepResult(StepStatus.OK, tuple(sampled), **applied))
         left = {s.conv: sum(1 for x in sampled if x.conv == s.conv) for s in sampled}
         for s in sampled:
@@ -285,6 +295,19 @@ class HybridMachine(SchedulerMachine):
     memory = "hybrid"
 
 
+class HybridDraftMachine(SchedulerMachine):
+    """Drafts on a hybrid model whose state rolls back (llama.cpp's snapshots): rejected draft
+    tokens leave the state within its last decode, and the rest of the machine's rules hold."""
+
+    memory = "hybrid"
+    rollback = 3
+
+    def said(self, pos: int) -> int:
+        """Mostly 7, 8 at scattered positions: n-gram drafts of the history are taken as far as
+        they agree, and rejected from there."""
+        return 8 if pos * 7919 % 11 < 3 else 7
+
+
 class ImageMachine(SchedulerMachine):
     images = True
 
@@ -294,6 +317,8 @@ TestScheduler.settings = settings(max_examples=int(os.environ.get("AIOLLAMA_STAT
                                   deadline=None)
 TestHybridScheduler = HybridMachine.TestCase
 TestHybridScheduler.settings = TestScheduler.settings
+TestHybridDraftScheduler = HybridDraftMachine.TestCase
+TestHybridDraftScheduler.settings = TestScheduler.settings
 TestImageScheduler = ImageMachine.TestCase
 TestImageScheduler.settings = TestScheduler.settings
 
