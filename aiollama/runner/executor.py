@@ -272,7 +272,8 @@ class NativeExecutor:
         start = time.perf_counter()
         try:
             status = self._decode(batch, None if called else on_decode) if len(batch) else DecodeStatus.OK
-            self._remove.decoded(s.seq_id for s in slices)
+            if self._remove.pending:  # drafts rolled back on a recurrent state: rare, never on a transformer
+                self._remove.decoded(s.seq_id for s in slices)
         finally:
             # Not cleared before the decode: a cancel that arrives between planning and decoding
             # must still interrupt it.

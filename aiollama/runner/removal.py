@@ -45,8 +45,7 @@ class Removal:
     def decoded(self, seq_ids: Iterable[int]) -> None:
         """A decode went through these sequences: their rollbacks are applied (or, after a failed
         decode, undone by the state put back before they run again)."""
-        if self.pending:
-            self.pending.difference_update(seq_ids)
+        self.pending.difference_update(seq_ids)
 
     def settle(self, *seq_ids: int) -> None:
         """Apply now the pending rollbacks of ``seq_ids`` (before a copy between sequences)."""
