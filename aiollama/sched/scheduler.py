@@ -223,12 +223,18 @@ class Scheduler:
         lockstep with this one (classifier-free guidance), which gets every sampled token too.
         ``score``: the prompt is evaluated whole, with every row's logits (prompt log-probabilities).
         ``max_tokens``: the generation's length, which drafts do not go past (their tokens beyond it
-        would be thrown away, and cut from a recurrent state only by going back to a checkpoint)."""
+        would be thrown away, and cut from a recurrent state only by going back to a checkpoint).
+        A ``draft`` longer than the memory can cut back (a recurrent state's snapshots) raises
+        InvalidRequestError, as does a guide whose LoRA adapters differ."""
         seq = self._queues.seqs[conv]
         partner = None if guide is None else self._queues.seqs[guide]
         _check_submit(seq, partner, n_keep, self.n_ctx)
         if partner is not None and partner.lora != seq.lora:
             raise InvalidRequestError("a guidance conversation must use the same LoRA adapters")
+        if draft > self._rules.max_draft:
+            raise InvalidRequestError(f"draft_tokens={draft}: this model's recurrent state rolls back at most "
+                                      f"{self._rules.max_draft} tokens (the engine's draft_tokens, where llama.cpp "
+                                      "keeps snapshots of the state for its architecture)")
         dropped = None
         if len(seq.tokens) >= self.n_ctx:
             assert n_keep is not None
@@ -237,7 +243,6 @@ class Scheduler:
             del seq.tokens[n_keep:n_keep + n]
             dropped = (n_keep, n)
         seq.n_keep = n_keep
-        draft = min(draft, self._rules.max_draft)
         seq.draft = DraftLength(draft) if draft > 0 and partner is None else None
         seq.end_at = None if max_tokens is None else len(seq.tokens) + max_tokens
         seq.prompt_tokens, seq.cached_tokens, seq.preemptions, seq.restores = -1, 0, 0, 0

@@ -2,20 +2,22 @@
 recurrent state drops a rejected draft by rolling back within its last decode (llama.cpp's
 snapshots, ``aiollama.runner.removal``): greedy text identical to no drafts, with n-gram drafts and
 with a draft model, across streams, forks and new turns; a model whose state llama.cpp cannot roll
-back refuses drafts, and MTP is refused on both."""
+back refuses drafts, a request drafting more than the snapshots hold is refused, and MTP is
+refused on both."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from helpers import gather
 from tiny_model import lfm2_model, mamba_model
 
 import aiollama
 from aiollama import Engine, FinishReason
-from aiollama.errors import UnsupportedModel
+from aiollama.errors import InvalidRequestError, UnsupportedModel
 
 pytestmark = pytest.mark.anyio
 
@@ -115,7 +117,23 @@ async def test_a_model_whose_state_cannot_roll_back_refuses_drafts(smollm2_path:
     with pytest.raises(UnsupportedModel, match="draft model .* recurrent or hybrid"):
         async with Engine(smollm2_path, n_ctx=256, draft_model=lfm2):
             pass
-    async with Engine(mamba, n_ctx=256) as engine:  # without drafts it serves, and a request's own
-        conv = engine.conversation([1, 504, 3426, 314] * 4)  # n-gram drafts are left out
-        out = await conv.stream(max_tokens=12, temperature=0.0, ignore_eos=True, draft_tokens=4)
+    async with Engine(mamba, n_ctx=256) as engine:  # without drafts it serves; a request's own are refused
+        conv = engine.conversation([1, 504, 3426, 314] * 4)
+        with pytest.raises(InvalidRequestError, match="draft_tokens=4: .* at most 0 tokens"):
+            await conv.stream(max_tokens=12, temperature=0.0, ignore_eos=True, draft_tokens=4)
+        out = await conv.stream(max_tokens=12, temperature=0.0, ignore_eos=True, draft_tokens=0)
         assert len(out.tokens) == 12 and engine.statistics().drafted_tokens == 0
+
+
+async def test_a_request_drafting_more_than_the_state_rolls_back_is_refused_and_the_others_go_on(
+        lfm2: Path) -> None:
+    async with Engine(lfm2, n_ctx=2048, n_seq_max=4, draft_tokens=2) as engine:
+        async def refused_then_shorter() -> Any:
+            await anyio.sleep(0.05)  # the others are running
+            with pytest.raises(InvalidRequestError, match="draft_tokens=3: .* at most 2 tokens"):
+                await engine.conversation(PROMPTS[2]).stream(**{**GREEDY, "draft_tokens": 3})
+            return await engine.conversation(PROMPTS[2]).stream(**{**GREEDY, "draft_tokens": 1})
+
+        outs = await gather(*(engine.conversation(p).stream(**GREEDY) for p in PROMPTS[:2]), refused_then_shorter())
+        assert [len(o.tokens) for o in outs] == [40] * 3
+        assert engine.statistics().accepted_tokens > 0

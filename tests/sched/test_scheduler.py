@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fake_kv import FakeKV
 
-from aiollama.errors import ContextFull
+from aiollama.errors import ContextFull, InvalidRequestError
 from aiollama.sched.kvcache import MIN_PARK_TOKENS
 from aiollama.sched.scheduler import MIN_PREFILL_CHUNK, Scheduler, SchedulerConfig, common_prefix
 from aiollama.sched.sequence import Phase
@@ -381,16 +381,19 @@ def test_a_split_cache_keeps_its_idle_cells_under_load() -> None:
 
 
 @pytest.mark.parametrize(("memory", "rollback", "want"), [("kv", 0, 4), ("hybrid", 2, 2), ("hybrid", 0, 0)])
-def test_drafts_stop_short_of_max_tokens_and_of_what_a_state_can_roll_back(monkeypatch: pytest.MonkeyPatch,
-                                                                           memory: str, rollback: int,
-                                                                           want: int) -> None:
+def test_drafts_stop_short_of_max_tokens_and_longer_than_a_state_rolls_back_are_refused(
+        monkeypatch: pytest.MonkeyPatch, memory: str, rollback: int, want: int) -> None:
     import aiollama.sched.speculation as speculation
 
     monkeypatch.setattr(speculation, "START", 4)  # a first draft of the whole length
     sched = Scheduler(SchedulerConfig(n_ctx=64, n_seq_max=2, n_batch=64, step_tokens=64, memory=memory,
                                       rollback=rollback))
     sched.add(1, [1, 2, 3, 4, 5, 6, 1, 2, 3])
-    sched.submit(1, draft=4, max_tokens=7)
+    if want < 4:  # a state's snapshots hold fewer tokens than the request drafts: refused, nothing changed
+        with pytest.raises(InvalidRequestError, match=f"draft_tokens=4: .* at most {rollback} tokens"):
+            sched.submit(1, draft=4, max_tokens=7)
+        assert sched.get(1).phase is Phase.IDLE and sched.schedule().slices == ()
+    sched.submit(1, draft=want, max_tokens=7)
     plan = sched.schedule()  # the prompt (a recurrent state's last token waits for a checkpoint)
     while plan.slices[0].pos + len(plan.slices[0].tokens) < 9:
         sched.update(plan, StepResult(StepStatus.OK))
