@@ -102,3 +102,95 @@ def mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
     """The cached tiny MTP model, written on first use."""
     name = f"tiny-mtp-v1-{'agree' if agree else 'random'}.gguf"
     return cached(cache / name, lambda p: write_mtp_model(p, tokenizer_source, agree=agree))
+
+
+QWEN35 = "qwen35"
+
+
+def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: int = 64, n_head: int = 4,
+                           n_head_kv: int = 2, n_ff: int = 128, layers: str = "ga", d_state: int = 16,
+                           n_k_heads: int = 2, n_v_heads: int = 4, d_conv: int = 4) -> Path:
+    """A tiny Qwen3.5 (hybrid: gated-delta-net layers "g", a recurrent state each, beside gated
+    attention layers "a") with one MTP block after them, in llama.cpp's layout; ``agree`` as above."""
+    fields = copy_tokenizer(tokenizer_source)
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
+    head_dim = n_embd // n_head
+    key_dim, value_dim = d_state * n_k_heads, d_state * n_v_heads
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), QWEN35)
+    writer.add_name("aiollama tiny hybrid MTP test model")
+    writer.add_block_count(len(layers) + 1)
+    writer.add_uint32(f"{QWEN35}.nextn_predict_layers", 1)
+    writer.add_array(f"{QWEN35}.attention.recurrent_layers", [kind == "g" for kind in layers] + [False])
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_array(f"{QWEN35}.rope.dimension_sections", [head_dim // 4, head_dim // 4 - head_dim // 8, head_dim // 8, 0])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_uint32(f"{QWEN35}.ssm.conv_kernel", d_conv)
+    writer.add_uint32(f"{QWEN35}.ssm.inner_size", value_dim)
+    writer.add_uint32(f"{QWEN35}.ssm.state_size", d_state)
+    writer.add_uint32(f"{QWEN35}.ssm.time_step_rank", n_v_heads)
+    writer.add_uint32(f"{QWEN35}.ssm.group_count", n_k_heads)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(0)
+    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+    rng = np.random.default_rng(17 if agree else 19)
+
+    def weight(*shape: int, scale: float = 0.2, out: bool = False) -> np.ndarray:
+        if out and agree:
+            return np.zeros(shape, dtype=np.float32)
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def attention(p: str) -> None:
+        writer.add_tensor(p + "attn_q.weight", weight(2 * n_head * head_dim, n_embd))  # queries and their gates
+        writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim, out=True))
+        writer.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+        writer.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    for i, kind in enumerate(layers + "m"):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones)
+        writer.add_tensor(p + "post_attention_norm.weight", ones)
+        if kind == "g":
+            writer.add_tensor(p + "attn_qkv.weight", weight(2 * key_dim + value_dim, n_embd))
+            writer.add_tensor(p + "attn_gate.weight", weight(value_dim, n_embd))
+            writer.add_tensor(p + "ssm_conv1d.weight", weight(2 * key_dim + value_dim, d_conv, scale=0.5))
+            writer.add_tensor(p + "ssm_dt.bias", np.zeros(n_v_heads, dtype=np.float32))
+            writer.add_tensor(p + "ssm_a", -np.ones(n_v_heads, dtype=np.float32))
+            writer.add_tensor(p + "ssm_beta.weight", weight(n_v_heads, n_embd))
+            writer.add_tensor(p + "ssm_alpha.weight", weight(n_v_heads, n_embd))
+            writer.add_tensor(p + "ssm_norm.weight", np.ones(d_state, dtype=np.float32))
+            writer.add_tensor(p + "ssm_out.weight", weight(n_embd, value_dim, out=True))
+        else:
+            attention(p)
+        writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
+        writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
+        if kind == "m":
+            writer.add_tensor(p + "nextn.enorm.weight", ones)
+            writer.add_tensor(p + "nextn.hnorm.weight", ones)
+            eh = weight(n_embd, 2 * n_embd)
+            if agree:
+                eh = np.hstack([np.eye(n_embd, dtype=np.float32), np.zeros((n_embd, n_embd), dtype=np.float32)])
+            writer.add_tensor(p + "nextn.eh_proj.weight", eh)
+    finish(writer, tmp, path)
+    return path
+
+
+def qwen35_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
+    """The cached tiny hybrid MTP model, written on first use."""
+    name = f"tiny-qwen35-mtp-v1-{'agree' if agree else 'random'}.gguf"
+    return cached(cache / name, lambda p: write_qwen35_mtp_model(p, tokenizer_source, agree=agree))

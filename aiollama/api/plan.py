@@ -100,7 +100,7 @@ def plan(model_path: str | os.PathLike[str] | None = None, **options: Any) -> Pl
             shape = embedder_options(model, config.n_threads, config.pooling)
         else:
             if model.is_recurrent:
-                config = recurrent_config(config, path.name)
+                config = recurrent_config(config, path.name, model.metadata("general.architecture"))
             shape = {**context_options(config, model), "reference_kernels": False}
         with Context(model, **shape) as ctx, contextlib.ExitStack() as stack:
             if kind == "chat":

@@ -39,7 +39,7 @@ from aiollama.native.params import context_params
 from aiollama.runner.drafter import with_drafts
 from aiollama.runner.embedder import Embedder, is_embedding_model
 from aiollama.runner.images import ImageRows, images_for
-from aiollama.runner.mtp import MtpDrafter, drafter_for, kept_tokens
+from aiollama.runner.mtp import MTP_HYBRIDS, MtpDrafter, drafter_for, kept_tokens
 from aiollama.runner.ordered import OrderedCells
 from aiollama.runner.removal import Removal
 from aiollama.runner.shape import check_rollback, context_options, model_info
@@ -95,17 +95,18 @@ def fingerprint(model: Model, cache_types: tuple[str, str] = ("f16", "f16")) -> 
             "kv": f"{'f16' if cache_types == ('f16', 'f16') else '/'.join(cache_types)},unified"}
 
 
-def recurrent_config(config: EngineConfig, name: str) -> EngineConfig:
+def recurrent_config(config: EngineConfig, name: str, arch: str | None) -> EngineConfig:
     """The settings a recurrent or hybrid model runs with: checkpoints (see
     :mod:`aiollama.sched.checkpoints`) in a unified cache (a split cache copies a whole sequence
     where a prefix is shared and cuts the copy after it, which a recurrent state cannot follow).
     Raises UnsupportedModel for the modes that drop the tail of a sequence at any time (drafts drop
-    theirs within the last decode: see :func:`~aiollama.runner.shape.check_rollback`)."""
+    theirs within the last decode: see :func:`~aiollama.runner.shape.check_rollback`), and for MTP
+    drafts on an architecture (llama.cpp's name, ``arch``) whose MTP context llama.cpp does not run."""
     if config.deterministic:
         raise UnsupportedModel(f"{name} is a recurrent or hybrid model: the deterministic mode re-lays "
                                "KV cells in position order, which a recurrent state does not have")
-    if config.mtp:
-        raise UnsupportedModel(f"{name} is a recurrent or hybrid model: MTP drafts are not available for it "
+    if config.mtp and arch not in MTP_HYBRIDS:
+        raise UnsupportedModel(f"{name} is a recurrent or hybrid model whose MTP drafts llama.cpp does not run "
                                "(give no mtp; n-gram and draft-model drafts are, where llama.cpp can roll its state back)")
     # llama.cpp allocates a recurrent state for every seq id up front (megabytes each in a real
     # model): cached prefixes get as many ids as streams, not the hundreds an attention model gets
@@ -153,7 +154,7 @@ class NativeExecutor:
             # "kv"; "hybrid": KV cells and a recurrent state per sequence; "recurrent": the state only
             self.memory = "hybrid" if self.model.is_hybrid else "recurrent" if self.model.is_recurrent else "kv"
             if self.memory != "kv":
-                config = recurrent_config(config, model_path.name)
+                config = recurrent_config(config, model_path.name, self.model.metadata("general.architecture"))
             self.embeds_only = is_embedding_model(self.model)
             self._embedder: Embedder | None = None
             if self.embeds_only:  # no KV cache, no generation: the embeddings context is the context

@@ -34,6 +34,11 @@ from aiollama.native.nextn import NextnBatch, hidden, hidden_row, logits_row, n_
 from aiollama.runner.drafter import Drafter
 from aiollama.sched.step import Copy, Op, Remove, Restore, Shift, Slice
 
+# The hybrid architectures (recurrent layers beside attention) whose MTP context llama.cpp gives a
+# plain attention cache for the MTP block alone: the recurrent state stays in the target's context,
+# which rolls a rejected draft back like any other (see aiollama.runner.removal).
+MTP_HYBRIDS = frozenset({"qwen3next", "qwen35", "qwen35moe", "qwen4exp", "bailingmoe3", "nemotron_h_moe"})
+
 # A sequence's entries wait to be decoded until it drafts (with its first draft entry, in one
 # decode), or until this many wait: a stream that does not draft costs a copy of its states only.
 QUEUE_ROWS = 256

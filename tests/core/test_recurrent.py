@@ -274,10 +274,10 @@ async def test_a_served_hybrid_model_evaluates_only_each_new_turn(smollm2_path: 
 
 
 def test_a_recurrent_model_runs_in_one_cache_with_as_many_cache_ids_as_streams() -> None:
-    config = recurrent_config(EngineConfig(n_seq_max=4), "m")
+    config = recurrent_config(EngineConfig(n_seq_max=4), "m", "mamba")
     assert (config.kv_unified, config.cache_seq_ids) == (True, 4)  # each id holds a state up front
-    assert recurrent_config(EngineConfig(n_seq_max=4, cache_seq_ids=10), "m").cache_seq_ids == 10
-    split = recurrent_config(EngineConfig(n_seq_max=4, kv_unified=False, cache_seq_ids=0), "m")
+    assert recurrent_config(EngineConfig(n_seq_max=4, cache_seq_ids=10), "m", "mamba").cache_seq_ids == 10
+    split = recurrent_config(EngineConfig(n_seq_max=4, kv_unified=False, cache_seq_ids=0), "m", "mamba")
     assert (split.kv_unified, split.cache_seq_ids) == (True, 4)
     with pytest.raises(UnsupportedModel, match="deterministic"):
-        recurrent_config(EngineConfig(deterministic=True), "m")
+        recurrent_config(EngineConfig(deterministic=True), "m", "mamba")

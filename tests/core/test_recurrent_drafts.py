@@ -1,9 +1,10 @@
-"""Speculation on a hybrid model (the tiny LFM2: short convolutions beside attention), whose
-recurrent state drops a rejected draft by rolling back within its last decode (llama.cpp's
-snapshots, ``aiollama.runner.removal``): greedy text identical to no drafts, with n-gram drafts and
-with a draft model, across streams, forks and new turns; a model whose state llama.cpp cannot roll
+"""Speculation on a hybrid model (the tiny LFM2: short convolutions beside attention; a tiny
+Qwen3.5 with an MTP block: gated delta nets beside attention), whose recurrent state drops a
+rejected draft by rolling back within its last decode (llama.cpp's snapshots,
+``aiollama.runner.removal``): greedy text identical to no drafts, with n-gram drafts, a draft model
+and MTP drafts, across streams, forks and new turns; a model whose state llama.cpp cannot roll
 back refuses drafts, a request drafting more than the snapshots hold is refused, and MTP is
-refused on both."""
+refused where llama.cpp does not run it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import anyio
 import pytest
 from helpers import gather
 from tiny_model import lfm2_model, mamba_model
+from tiny_mtp import qwen35_mtp_model
 
 import aiollama
 from aiollama import Engine, FinishReason
@@ -27,6 +29,7 @@ PROMPTS = [[1, *([504, 3426, 314, 3599, 284] * 6)], [1, *([260, 2116, 1030] * 8)
 # break off now and then: n-gram drafts are taken, and rejected
 BIAS = {token: 40.0 for token in (500, 501, 502, 503)}
 GREEDY: dict[str, Any] = dict(max_tokens=40, temperature=0.0, ignore_eos=True, logit_bias=BIAS)
+END = 2  # an end-of-generation token of SmolLM2's vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +37,19 @@ def lfm2(smollm2_path: Path) -> Path:
     return lfm2_model(aiollama.cache_dir() / "test-models", smollm2_path)
 
 
-async def outputs(path: Path, **options: Any) -> tuple[list[list[int]], Any]:
+@pytest.fixture(scope="module")
+def qwen35_agree(smollm2_path: Path) -> Path:
+    return qwen35_mtp_model(aiollama.cache_dir() / "test-models", smollm2_path, agree=True)
+
+
+@pytest.fixture(scope="module")
+def qwen35_random(smollm2_path: Path) -> Path:
+    return qwen35_mtp_model(aiollama.cache_dir() / "test-models", smollm2_path, agree=False)
+
+
+async def outputs(path: Path, sampling: dict[str, Any] = GREEDY, **options: Any) -> tuple[list[list[int]], Any]:
     async with Engine(path, n_ctx=2048, n_seq_max=4, **options) as engine:
-        outs = await gather(*(engine.conversation(p).stream(**GREEDY) for p in PROMPTS))
+        outs = await gather(*(engine.conversation(p).stream(**sampling) for p in PROMPTS))
         return [o.tokens for o in outs], engine.statistics()
 
 
@@ -78,22 +91,54 @@ async def test_a_draft_model_on_a_hybrid_model_gives_the_text_without_it(lfm2: P
     assert stats.drafted_tokens > stats.accepted_tokens  # a random draft model: rejected, rolled back
 
 
-async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives(lfm2: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+async def test_mtp_drafts_on_a_hybrid_model_give_the_text_without_them(qwen35_agree: Path, qwen35_random: Path,
+                                                                       overlap: bool) -> None:
+    """Qwen3.5's layout: llama.cpp runs the MTP block in a context of its own with an attention
+    cache only, the target's recurrent state rolls back what the head guessed wrong."""
+    unbiased = {**GREEDY, "logit_bias": {}}
+    for model, agree in ((qwen35_agree, True), (qwen35_random, False)):
+        plain, before = await outputs(model, unbiased)
+        drafted, stats = await outputs(model, unbiased, mtp=True, overlap=overlap)
+        assert drafted == plain
+        if agree:  # every guess taken: a step gives several tokens
+            assert stats.accepted_tokens == stats.drafted_tokens > 0 and stats.decode_steps < before.decode_steps / 3
+        else:  # guessed wrong: rolled back
+            assert stats.drafted_tokens > stats.accepted_tokens
+
+
+@pytest.mark.parametrize("drafts", ["n-gram", "mtp"])
+async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives(drafts: str,
+                                                                                 request: pytest.FixtureRequest) -> None:
     """A fork or a new turn copies (or shares) the state a drafted step left, rollback and all:
-    replies of several lengths, so that some end on a step whose draft was cut back."""
-    lengths = range(6, 30, 2)
-    cases: list[tuple[list[int], list[int], list[int]]] = []  # (reply, fork's, next turn's)
-    async with Engine(lfm2, n_ctx=2048, n_seq_max=4) as plain:
-        for n in lengths:
-            first = (await plain.conversation(PROMPTS[0], cache_salt=f"a{n}").stream(**{**GREEDY, "max_tokens": n})).tokens
-            history = PROMPTS[0] + first
+    replies of several lengths, and replies that an end token, made likelier, ends on a row of a
+    draft, the rows after it cut back just before the fork copies the state (random models: a state
+    with the rejected tokens in it would change the text)."""
+    if drafts == "n-gram":
+        model, options = request.getfixturevalue("lfm2"), {"draft_tokens": 4}
+        ending: dict[str, Any] = {**GREEDY, "ignore_eos": False, "logit_bias": {**BIAS, END: 38.0}}
+        cases = [(PROMPTS[0], {**GREEDY, "max_tokens": n}) for n in range(6, 30, 2)]
+    else:
+        model, options = request.getfixturevalue("qwen35_random"), {"mtp": True}
+        ending, cases = {**GREEDY, "ignore_eos": False, "logit_bias": {END: 35.0}}, []
+    cases += [([*PROMPTS[0], 100 + i], ending) for i in range(12)]
+    expected: list[tuple[list[int], list[int], list[int]]] = []  # (history after the reply, fork's, next turn's)
+    async with Engine(model, n_ctx=2048, n_seq_max=4) as plain:
+        for n, (prompt, sampling) in enumerate(cases):
+            conv = plain.conversation(prompt, cache_salt=f"a{n}")
+            await conv.stream(**sampling)
+            history = list(conv.tokens)
             fork = (await plain.conversation(history + [504], cache_salt=f"b{n}").stream(**GREEDY)).tokens
             turn = (await plain.conversation(history + [505], cache_salt=f"c{n}").stream(**GREEDY)).tokens
-            cases.append((first, fork, turn))
-    async with Engine(lfm2, n_ctx=4096, n_seq_max=4, draft_tokens=4) as engine:
-        for n, (first, fork, turn) in zip(lengths, cases):
-            conv = engine.conversation(PROMPTS[0], cache_salt=str(n))
-            assert (await conv.stream(**{**GREEDY, "max_tokens": n})).tokens == first
+            expected.append((history, fork, turn))
+    cut_at_the_end = 0
+    async with Engine(model, n_ctx=4096, n_seq_max=4, **options) as engine:
+        for n, ((prompt, sampling), (history, fork, turn)) in enumerate(zip(cases, expected)):
+            conv = engine.conversation(prompt, cache_salt=str(n))
+            reply = await conv.stream(**sampling)
+            assert list(conv.tokens) == history
+            assert reply.stats is not None
+            cut_at_the_end += reply.finish_reason is FinishReason.EOG and reply.stats.accepted < reply.stats.drafted
             child = conv.fork()
             child.prompt([504])
             conv.prompt([505])
@@ -101,9 +146,10 @@ async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives
             got_turn = await conv.stream(**GREEDY)
             assert (got_fork.tokens, got_turn.tokens) == (fork, turn), n
             # the whole state is shared (with the reply's last token when a draft took it)
-            assert got_fork.stats is not None and got_fork.stats.cached_tokens >= len(PROMPTS[0]) + n - 1
+            assert got_fork.stats is not None and got_fork.stats.cached_tokens >= len(history) - 1
             await gather(conv.aclose(), child.aclose())
-        assert engine.statistics().drafted_tokens > engine.statistics().accepted_tokens > 0
+        assert engine.statistics().drafted_tokens > engine.statistics().accepted_tokens
+    assert cut_at_the_end > 0
 
 
 async def test_a_model_whose_state_cannot_roll_back_refuses_drafts(smollm2_path: Path, lfm2: Path) -> None:
