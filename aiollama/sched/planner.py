@@ -179,7 +179,7 @@ class Planner:
         if drafting:  # an engine without speculation never gets here
             self.drafts_seen = True
             rows += add_drafts(slices, drafting, self.queues.seqs, n_batch=self.n_batch, n_ctx=self.n_ctx,
-                               draft_model=self.draft_model, share=self.row_cost.share(len(slices)))
+                               draft_model=self.draft_model, share=self.row_cost.shares())
         room, first = self.n_batch - rows, len(slices)
         budget = min(room, max(self.step_tokens - rows, MIN_PREFILL_CHUNK))
         if prefill and budget > 0:

@@ -6,10 +6,13 @@ taken with some probability p; it pays where p exceeds the share of a step's tim
 ``per_row * n / (fixed + per_row * n)`` for n rows: next to nothing where a step's time is fixed
 (a GPU, reading the weights once for every row), nearly all of it where each row costs its own
 compute (a CPU running a small model at several streams), where a rejected draft row only slows
-the step. Until the steps differ enough in rows to tell the two apart, the share is 0.
+the step. Until the steps differ enough in rows to tell the two apart, the share is not known
+(:mod:`aiollama.sched.drafting` then adds a few draft rows even to a full step, so that they do).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 DECAY = 0.98  # the weight of a step falls by this much with each later one
 MIN_STEPS = 8
@@ -22,6 +25,7 @@ class RowCost:
     def __init__(self) -> None:
         self.steps = 0
         self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._last: tuple[float, float] | None = None
 
     def add(self, rows: int, seconds: float) -> None:
         d = DECAY
@@ -31,23 +35,32 @@ class RowCost:
         self._xx = self._xx * d + rows * rows
         self._xy = self._xy * d + rows * seconds
         self.steps += 1
+        if self.steps >= MIN_STEPS:
+            w, x = self._w, self._x
+            var = self._xx * w - x * x
+            if var >= (MIN_SPREAD * w) ** 2:
+                per_row = max(0.0, (w * self._xy - x * self._y) / var)
+                self._last = max(0.0, (self._y - per_row * x) / w), per_row
 
     def fit(self) -> tuple[float, float] | None:
-        """``(fixed, per_row)`` seconds, neither below 0; None while the steps cannot tell."""
-        if self.steps < MIN_STEPS:
+        """``(fixed, per_row)`` seconds, neither below 0; None until the steps could tell. Steps
+        that stopped differing since (drafts that no longer pay add no rows) keep the last fit."""
+        return self._last
+
+    def shares(self) -> Callable[[int], float] | None:
+        """The share of a step of ``rows`` rows that its rows take (0 to 1), as a function of
+        ``rows`` from the fit as it is now; None while the steps cannot tell."""
+        got = self.fit()
+        if got is None:
             return None
-        w, x = self._w, self._x
-        var = self._xx * w - x * x
-        if var < (MIN_SPREAD * w) ** 2:
-            return None
-        per_row = max(0.0, (w * self._xy - x * self._y) / var)
-        return max(0.0, (self._y - per_row * x) / w), per_row
+        fixed, per_row = got
+
+        def share(rows: int) -> float:
+            total = fixed + per_row * rows
+            return per_row * rows / total if total > 0 and rows > 0 else 0.0
+        return share
 
     def share(self, rows: int) -> float:
         """The share of a step of ``rows`` rows that its rows take (0 to 1; 0 when not known)."""
-        got = self.fit()
-        if got is None or rows <= 0:
-            return 0.0
-        fixed, per_row = got
-        total = fixed + per_row * rows
-        return per_row * rows / total if total > 0 else 0.0
+        shares = self.shares()
+        return 0.0 if shares is None else shares(rows)

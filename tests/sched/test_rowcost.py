@@ -37,6 +37,16 @@ def test_steps_of_one_size_tell_nothing() -> None:
     assert cost.fit() is None and cost.share(8) == 0.0
 
 
+def test_steps_that_stop_differing_keep_the_last_fit() -> None:
+    cost = RowCost()
+    for i in range(40):
+        cost.add(1 + i % 8, 0.010 + 0.001 * (1 + i % 8))
+    for _ in range(500):  # drafts stopped paying: every step has the same rows
+        cost.add(8, 0.018)
+    assert cost.fit() == pytest.approx((0.010, 0.001))
+    assert cost.share(8) == pytest.approx(8 / 18)
+
+
 def test_a_draft_token_pays_where_it_is_taken_more_often_than_a_row_costs() -> None:
     length = DraftLength(8)
     assert length.worth(0.0) == 8  # nothing known: the length's own policy
@@ -67,11 +77,11 @@ class Timed(FakeExecutor):
         return dataclasses.replace(result, decode_seconds=self.fixed + self.per_row * rows)
 
 
-async def drafted(fixed: float, per_row: float) -> tuple[int, int]:
-    async with Engine(executor=lambda c: Timed(c, fixed, per_row), n_ctx=2048, n_seq_max=8,
+async def drafted(fixed: float, per_row: float, streams: int = 8) -> tuple[int, int]:
+    async with Engine(executor=lambda c: Timed(c, fixed, per_row), n_ctx=4096, n_seq_max=streams,
                       draft_tokens=8, overlap=False) as engine:
         prompt = [65 + i % 26 for i in range(20)]
-        convs = [engine.conversation(prompt) for _ in range(8)]
+        convs = [engine.conversation(prompt) for _ in range(streams)]
         for c in convs:
             await c.stream(max_tokens=4, **GREEDY)  # steps of several sizes: the fit can tell
         stats = engine.statistics()
@@ -89,3 +99,14 @@ async def test_rows_that_cost_their_own_compute_draft_only_what_is_taken_often()
     gpu_drafted, gpu_taken = await drafted(0.020, 0.00001)
     assert gpu_taken > cpu_taken
     assert cpu_drafted - cpu_taken < (gpu_drafted - gpu_taken) / 2
+
+
+@pytest.mark.anyio
+async def test_where_rows_cost_next_to_nothing_a_full_step_drafts_too() -> None:
+    """32 streams fill what a step's drafts could take while the row cost is not known; once it
+    is, drafts go on where it is fixed (a GPU: many streams' drafts in one step, up to the batch)
+    and stay few where it is all rows (a CPU)."""
+    gpu_drafted, gpu_taken = await drafted(0.020, 0.00001, streams=32)
+    cpu_drafted, cpu_taken = await drafted(0.002, 0.001, streams=32)
+    assert gpu_taken > 100  # (568 drafted and 136 taken when written; none while 32 rows capped drafts)
+    assert cpu_drafted < gpu_drafted / 4
