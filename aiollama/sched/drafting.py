@@ -13,13 +13,13 @@ from aiollama.sched.step import Slice
 # While what a row costs is not known, draft tokens add at most this many rows to a step in all
 # (the decode rows count too): drafts pay where steps are small, not where the batch is already full.
 MAX_DRAFT_ROWS = 32
-# ... and a step already that full still takes this many, so that steps differ in rows and the
-# cost can be fitted
+# ... and a step already that full still takes this many every other step, so that steps differ
+# in rows and the cost can be fitted
 PROBE_ROWS = 4
 
 
 def add_drafts(slices: list[Slice], drafting: list[int], seqs: Mapping[int, SeqState], *, n_batch: int, n_ctx: int,
-               draft_model: bool, share: Callable[[int], float] | None = None) -> int:
+               draft_model: bool, share: Callable[[int], float] | None = None, probe: bool = True) -> int:
     """Extend the decode slices at ``drafting`` with drafts, in place; return the rows added.
     ``share(rows)``: the share of a step of that many rows that its rows take
     (:mod:`aiollama.sched.rowcost`), None while not known. Where it is known a stream drafts the
@@ -27,10 +27,10 @@ def add_drafts(slices: list[Slice], drafting: list[int], seqs: Mapping[int, SeqS
     it added (:meth:`~aiollama.sched.speculation.DraftLength.worth`), up to the batch: where a step's
     time hardly depends on its rows (a GPU) many streams draft; where each row costs its own compute
     (a CPU) few do. Where it is not, a step holds at most ``MAX_DRAFT_ROWS`` rows with its drafts,
-    and a fuller one takes ``PROBE_ROWS`` draft rows."""
+    and a fuller one takes ``PROBE_ROWS`` draft rows if ``probe``."""
     spare = n_batch - len(slices)
     if share is None:
-        spare = min(spare, max(MAX_DRAFT_ROWS - len(slices), PROBE_ROWS))
+        spare = min(spare, max(MAX_DRAFT_ROWS - len(slices), PROBE_ROWS if probe else 0))
     added = 0
     for i in drafting:
         s = slices[i]

@@ -42,6 +42,7 @@ class Planner:
         self.drafted = self.accepted = 0  # speculative draft tokens verified, and those the sampler took
         self.row_cost = RowCost()  # what a decode row costs: whether a draft token pays
         self.drafts_seen = False  # a stream has drafted: from then on the row cost is fitted
+        self.probe = False  # whether this step's drafts may go past a full step, to fit the row cost
         self.admitted: list[int] = []
         self.shifted: list[tuple[int, int, int]] = []
         self.rr = 0
@@ -178,8 +179,10 @@ class Planner:
         rows = len(slices)
         if drafting:  # an engine without speculation never gets here
             self.drafts_seen = True
+            share = self.row_cost.shares()
+            self.probe = share is None and not self.probe  # while the cost is unknown, every other step
             rows += add_drafts(slices, drafting, self.queues.seqs, n_batch=self.n_batch, n_ctx=self.n_ctx,
-                               draft_model=self.draft_model, share=self.row_cost.shares())
+                               draft_model=self.draft_model, share=share, probe=self.probe)
         room, first = self.n_batch - rows, len(slices)
         budget = min(room, max(self.step_tokens - rows, MIN_PREFILL_CHUNK))
         if prefill and budget > 0:

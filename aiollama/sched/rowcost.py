@@ -7,7 +7,8 @@ taken with some probability p; it pays where p exceeds the share of a step's tim
 (a GPU, reading the weights once for every row), nearly all of it where each row costs its own
 compute (a CPU running a small model at several streams), where a rejected draft row only slows
 the step. Until the steps differ enough in rows to tell the two apart, the share is not known
-(:mod:`aiollama.sched.drafting` then adds a few draft rows even to a full step, so that they do).
+(:mod:`aiollama.sched.drafting` then adds a few draft rows every other step even to a full step,
+so that they do).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ class RowCost:
     def __init__(self) -> None:
         self.steps = 0
         self._w = self._x = self._y = self._xx = self._xy = 0.0
-        self._last: tuple[float, float] | None = None
 
     def add(self, rows: int, seconds: float) -> None:
         d = DECAY
@@ -35,17 +35,19 @@ class RowCost:
         self._xx = self._xx * d + rows * rows
         self._xy = self._xy * d + rows * seconds
         self.steps += 1
-        if self.steps >= MIN_STEPS:
-            w, x = self._w, self._x
-            var = self._xx * w - x * x
-            if var >= (MIN_SPREAD * w) ** 2:
-                per_row = max(0.0, (w * self._xy - x * self._y) / var)
-                self._last = max(0.0, (self._y - per_row * x) / w), per_row
 
     def fit(self) -> tuple[float, float] | None:
-        """``(fixed, per_row)`` seconds, neither below 0; None until the steps could tell. Steps
-        that stopped differing since (drafts that no longer pay add no rows) keep the last fit."""
-        return self._last
+        """``(fixed, per_row)`` seconds, neither below 0; None while the steps cannot tell (also
+        once steps of one size have outweighed those that differed: the load may have changed
+        since, and a few draft rows find out)."""
+        if self.steps < MIN_STEPS:
+            return None
+        w, x = self._w, self._x
+        var = self._xx * w - x * x
+        if var < (MIN_SPREAD * w) ** 2:
+            return None
+        per_row = max(0.0, (w * self._xy - x * self._y) / var)
+        return max(0.0, (self._y - per_row * x) / w), per_row
 
     def shares(self) -> Callable[[int], float] | None:
         """The share of a step of ``rows`` rows that its rows take (0 to 1), as a function of
