@@ -8,6 +8,12 @@ deeper and wider, with the tests' small SentencePiece vocabulary, so that the he
 the output projection) weighs beside the trunk about what it does in a real model (Qwen3.5-4B:
 one layer of 32, and a head of 248k rows beside a trunk of about 4B weights). "agrees": a head that
 predicts what the model predicts, every draft taken; "never agrees": a random head.
+
+``--device-ms D`` adds D ms to every decode of the model (the GIL released, as a GPU's decode
+releases it), so that a step's time hardly depends on its rows, as on a GPU where a step reads the
+weights once for all its rows: what the policy does where rows cost next to nothing. Use it with
+``--shape tiny`` (the tests' 64-wide models), whose rows cost little on a CPU; the head's own
+decodes are not slowed (on a GPU they cost about a layer's time).
 """
 
 from __future__ import annotations
@@ -33,17 +39,35 @@ from tiny_mtp import write_mtp_model  # noqa: E402
 import aiollama  # noqa: E402
 
 TOKENS = 96
-SHAPE = dict(n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, n_ff_exp=512, n_trunk=12)
+SHAPES: dict[str, dict[str, int]] = {
+    "bench": dict(n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, n_ff_exp=512, n_trunk=12),
+    "tiny": {},  # the tests' models' own
+}
 
 
-def model(agree: bool) -> Path:
-    name = f"bench-mtp-v1-{'agree' if agree else 'random'}.gguf"
+def model(agree: bool, shape: str = "bench") -> Path:
+    name = f"{'bench' if shape == 'bench' else 'tiny-spm'}-mtp-v1-{'agree' if agree else 'random'}.gguf"
     return cached(aiollama.cache_dir() / "test-models" / name,
-                  lambda p: write_mtp_model(p, None, agree=agree, tokenizer=spm_tokenizer(), **SHAPE))
+                  lambda p: write_mtp_model(p, None, agree=agree, tokenizer=spm_tokenizer(), **SHAPES[shape]))
 
 
-async def rate(path: Path, n: int, **options: Any) -> tuple[float, float]:
+def device(path: Path, device_s: float) -> Any:
+    """An executor factory: llama.cpp's executor whose every decode of the model takes ``device_s``
+    longer, the GIL released."""
+    from aiollama.runner.executor import NativeExecutor
+
+    class Device(NativeExecutor):
+        def _decode(self, batch: Any, on_decode: Any) -> Any:
+            status = super()._decode(batch, on_decode)
+            time.sleep(device_s)
+            return status
+    return lambda config: Device(config, path)
+
+
+async def rate(path: Path, n: int, device_s: float = 0.0, **options: Any) -> tuple[float, float]:
     """Tokens per second of ``n`` greedy streams, and the share of draft tokens taken."""
+    if device_s:
+        options["executor"] = device(path, device_s)
     async with aiollama.Engine(path, n_ctx=8192, n_seq_max=max(n, 2), **options) as e:
         batch = [e.tokenize(f"Tell me a story about tokens {i}", add_special=True) for i in range(n)]
         await e.generate_parallel(batch[:1], max_tokens=4, temperature=0.0, ignore_eos=True)  # warm up
@@ -58,16 +82,17 @@ async def rate(path: Path, n: int, **options: Any) -> tuple[float, float]:
     return sum(len(c.tokens) for c in done) / elapsed, (taken / drafted if drafted else 0.0)
 
 
-async def main_async(streams: list[int], draft_tokens: int, rounds: int) -> dict[str, Any]:
+async def main_async(streams: list[int], draft_tokens: int, rounds: int, shape: str,
+                     device_s: float) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for n in streams:
         row: dict[str, Any] = {}
         for agree in (True, False):
-            path = model(agree)
+            path = model(agree, shape)
             ratios, bases = [], []
             for _ in range(rounds):  # back to back, the median of each pair's ratio
-                base, _ = await rate(path, n)
-                mtp, taken = await rate(path, n, mtp=True, draft_tokens=draft_tokens)
+                base, _ = await rate(path, n, device_s)
+                mtp, taken = await rate(path, n, device_s, mtp=True, draft_tokens=draft_tokens)
                 ratios.append(mtp / base)
                 bases.append(base)
             kind = "agrees" if agree else "never"
@@ -83,20 +108,25 @@ def main() -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench")
+    parser.add_argument("--device-ms", type=float, default=0.0)
     args = parser.parse_args()
-    rows = anyio.run(main_async, args.streams, args.draft_tokens, args.rounds)
-    r = {"date": datetime.date.today().isoformat(), "machine": machine(), "tokens": TOKENS, "shape": SHAPE,
-         "draft_tokens": args.draft_tokens, "rounds": args.rounds, "rows": rows}
+    rows = anyio.run(main_async, args.streams, args.draft_tokens, args.rounds, args.shape, args.device_ms / 1e3)
+    r = {"date": datetime.date.today().isoformat(), "machine": machine(), "tokens": TOKENS,
+         "shape": SHAPES[args.shape] or "tests", "device_ms": args.device_ms, "draft_tokens": args.draft_tokens,
+         "rounds": args.rounds, "rows": rows}
+    device_note = f"; every decode of the model {args.device_ms:g} ms longer (a simulated device)" \
+        if args.device_ms else ""
     lines = [f"# MTP drafts ({r['date']}, {r['machine']['cpu']}, {r['machine']['cpus']} CPUs)", "",
-             f"Tiny GLM-4.5-layout models ({SHAPE}), greedy, {TOKENS} tokens a stream, drafts of up to "
-             f"{args.draft_tokens} tokens; each ratio is tokens/s against no speculation, run just before it, the "
-             f"median of {args.rounds} such pairs.", "",
+             f"Tiny GLM-4.5-layout models ({r['shape']}{device_note}), greedy, {TOKENS} tokens a stream, drafts "
+             f"of up to {args.draft_tokens} tokens; each ratio is tokens/s against no speculation, run just before "
+             f"it, the median of {args.rounds} such pairs.", "",
              "| streams | no drafts (tok/s) | agreeing head | its drafts taken | random head | its drafts taken |",
              "|---|---|---|---|---|---|"]
     for n, row in rows.items():
         lines.append(f"| {n} | {row['agrees_none_tok_s']:.1f} | {row['agrees_ratio']:.2f}x | {row['agrees_taken']:.0%} | "
                      f"{row['never_ratio']:.2f}x | {row['never_taken']:.0%} |")
-    save_results(r, "mtp", "\n".join(lines) + "\n")
+    save_results(r, "mtp" + ("-device" if args.device_ms else ""), "\n".join(lines) + "\n")
     return 0
 
 

@@ -1,7 +1,7 @@
 """What speculation costs where its drafts do not agree, and what it gains where they do, at 1, 8
 and 32 streams: tokens per second against no speculation, in the same run.
 
-    pip install ".[bench]" && python benchmarks/speculation_cost.py            # a few minutes
+    pip install ".[bench]" && python benchmarks/speculation_cost.py            # about 15 minutes
 
 SmolLM2-135M generates greedily. "never agrees": a draft model of random weights (the tests' tiny
 model, SmolLM2's vocabulary), whose drafts the target rejects; run with the adaptive pauses (a
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -70,20 +71,32 @@ async def rate(model: Path, n: int, copy: bool, **options: Any) -> tuple[float, 
     return sum(len(c.tokens) for c in done) / elapsed, (taken / drafted if drafted else 0.0)
 
 
-async def main_async(streams: list[int]) -> dict[str, Any]:
+async def pairs(rounds: int, target: Path, n: int, copy: bool, **options: Any) -> tuple[float, float, list[float]]:
+    """The median over ``rounds`` back-to-back pairs (no speculation, then ``options``) of the
+    pair's ratio; the last variant's share of drafts taken; the ratios."""
+    ratios, taken = [], 0.0
+    for _ in range(rounds):
+        base, _ = await rate(target, n, copy)
+        variant, taken = await rate(target, n, copy, **options)
+        ratios.append(variant / base)
+    return statistics.median(ratios), taken, ratios
+
+
+async def main_async(streams: list[int], rounds: int) -> dict[str, Any]:
     target = aiollama.pull()
     draft = tiny_model(aiollama.cache_dir() / "test-models", target)
     rows: dict[str, Any] = {}
     for n in streams:
         base, _ = await rate(target, n, copy=False)
-        never, never_taken = await rate(target, n, copy=False, draft_model=draft, draft_tokens=8)
+        never, never_taken, never_all = await pairs(rounds, target, n, False, draft_model=draft, draft_tokens=8)
         with no_pauses():
-            old, _ = await rate(target, n, copy=False, draft_model=draft, draft_tokens=8)
+            old, _, old_all = await pairs(rounds, target, n, False, draft_model=draft, draft_tokens=8)
         copy_base, _ = await rate(target, n, copy=True)
-        copied, copy_taken = await rate(target, n, copy=True, draft_tokens=8)
-        rows[str(n)] = {"none_tok_s": base, "never_agrees_ratio": never / base, "never_agrees_taken": never_taken,
-                        "never_agrees_no_pauses_ratio": old / base, "copy_none_tok_s": copy_base,
-                        "copy_ngram_ratio": copied / copy_base, "copy_ngram_taken": copy_taken}
+        copied, copy_taken, copy_all = await pairs(rounds, target, n, True, draft_tokens=8)
+        rows[str(n)] = {"none_tok_s": base, "never_agrees_ratio": never, "never_agrees_taken": never_taken,
+                        "never_agrees_ratios": never_all, "never_agrees_no_pauses_ratio": old,
+                        "never_agrees_no_pauses_ratios": old_all, "copy_none_tok_s": copy_base,
+                        "copy_ngram_ratio": copied, "copy_ngram_taken": copy_taken, "copy_ngram_ratios": copy_all}
         print(n, rows[str(n)], flush=True)
     return rows
 
@@ -91,13 +104,15 @@ async def main_async(streams: list[int]) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    rows = anyio.run(main_async, args.streams)
-    r = {"date": datetime.date.today().isoformat(), "machine": machine(), "tokens": TOKENS, "rows": rows}
+    rows = anyio.run(main_async, args.streams, args.rounds)
+    r = {"date": datetime.date.today().isoformat(), "machine": machine(), "tokens": TOKENS, "rounds": args.rounds,
+         "rows": rows}
     lines = [f"# Speculation where it misses and where it hits ({r['date']}, {r['machine']['cpu']}, "
              f"{r['machine']['cpus']} CPUs)", "",
-             f"SmolLM2-135M, greedy, {TOKENS} tokens a stream; each ratio is tokens/s against no speculation in "
-             "the same run.", "",
+             f"SmolLM2-135M, greedy, {TOKENS} tokens a stream; each ratio is tokens/s against no speculation run "
+             f"just before it, the median of {args.rounds} such pairs.", "",
              "| streams | no drafts (tok/s) | random draft model | the same without pauses | its drafts taken "
              "| n-gram on copies | their drafts taken |", "|---|---|---|---|---|---|---|"]
     for n, row in rows.items():
