@@ -15,6 +15,7 @@ Two variants, both with SmolLM2's vocabulary:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,31 @@ from gguf import GGUFWriter
 from tiny_model import add_fields, cached, copy_tokenizer, finish
 
 ARCH = "glm4moe"
+
+
+def weights(seed: int, agree: bool) -> Callable[..., np.ndarray]:
+    """``weight(*shape, scale=0.2, out=False)``: random, or zero for an output projection (``out``)
+    of the agreeing model."""
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int, scale: float = 0.2, out: bool = False) -> np.ndarray:
+        if out and agree:
+            return np.zeros(shape, dtype=np.float32)
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    return weight
+
+
+def add_nextn(writer: GGUFWriter, p: str, n_embd: int, weight: Callable[..., np.ndarray], agree: bool) -> None:
+    """The NextN block's own tensors: the norms of the token's embedding and of the hidden state,
+    and the projection of [the embedding | the state] to the width, which the agreeing head keeps
+    the embedding only of."""
+    ones = np.ones(n_embd, dtype=np.float32)
+    writer.add_tensor(p + "nextn.enorm.weight", ones)
+    writer.add_tensor(p + "nextn.hnorm.weight", ones)
+    eh = weight(n_embd, 2 * n_embd)
+    if agree:
+        eh = np.hstack([np.eye(n_embd, dtype=np.float32), np.zeros((n_embd, n_embd), dtype=np.float32)])
+    writer.add_tensor(p + "nextn.eh_proj.weight", eh)
 
 
 def write_mtp_model(path: Path, tokenizer_source: Path | None, *, agree: bool, tokenizer: dict[str, object] | None = None,
@@ -53,13 +79,7 @@ def write_mtp_model(path: Path, tokenizer_source: Path | None, *, agree: bool, t
     writer.add_file_type(0)  # all F32
     add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
     add_fields(writer, tokenizer or {})
-    rng = np.random.default_rng(11 if agree else 13)
-
-    def weight(*shape: int, scale: float = 0.2, out: bool = False) -> np.ndarray:
-        """Random, or zero for an output projection of the agreeing model."""
-        if out and agree:
-            return np.zeros(shape, dtype=np.float32)
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    weight = weights(11 if agree else 13, agree)
 
     ones = np.ones(n_embd, dtype=np.float32)
     # numpy shape (rows, cols) is ggml ne = [cols, rows]
@@ -87,13 +107,7 @@ def write_mtp_model(path: Path, tokenizer_source: Path | None, *, agree: bool, t
         writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
         writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
         writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
-        writer.add_tensor(p + "nextn.enorm.weight", ones)
-        writer.add_tensor(p + "nextn.hnorm.weight", ones)
-        # [the token's embedding | the hidden state] -> width; the agreeing head keeps the token's only
-        eh = weight(n_embd, 2 * n_embd)
-        if agree:
-            eh = np.hstack([np.eye(n_embd, dtype=np.float32), np.zeros((n_embd, n_embd), dtype=np.float32)])
-        writer.add_tensor(p + "nextn.eh_proj.weight", eh)
+        add_nextn(writer, p, n_embd, weight, agree)
     finish(writer, tmp, path)
     return path
 
@@ -141,12 +155,7 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(0)
     add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
-    rng = np.random.default_rng(17 if agree else 19)
-
-    def weight(*shape: int, scale: float = 0.2, out: bool = False) -> np.ndarray:
-        if out and agree:
-            return np.zeros(shape, dtype=np.float32)
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    weight = weights(17 if agree else 19, agree)
 
     def attention(p: str) -> None:
         writer.add_tensor(p + "attn_q.weight", weight(2 * n_head * head_dim, n_embd))  # queries and their gates
@@ -180,12 +189,7 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n
         writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
         writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
         if kind == "m":
-            writer.add_tensor(p + "nextn.enorm.weight", ones)
-            writer.add_tensor(p + "nextn.hnorm.weight", ones)
-            eh = weight(n_embd, 2 * n_embd)
-            if agree:
-                eh = np.hstack([np.eye(n_embd, dtype=np.float32), np.zeros((n_embd, n_embd), dtype=np.float32)])
-            writer.add_tensor(p + "nextn.eh_proj.weight", eh)
+            add_nextn(writer, p, n_embd, weight, agree)
     finish(writer, tmp, path)
     return path
 
