@@ -84,6 +84,27 @@ async def test_streams_that_a_stop_string_ends_mid_step_go_on_as_without_drafts(
     assert discarded > 0  # rows of stopped streams were in flight, and thrown away
 
 
+async def test_stop_strings_end_mtp_drafting_streams_mid_step_as_without_drafts(qwen35_agree: Path) -> None:
+    """MTP drafts on the hybrid Qwen3.5, overlapped steps: stop strings (pieces of two plain
+    replies) end streams while drafted rows are in flight; both turns as without drafts."""
+    async def turns(stop: list[str], **options: Any) -> tuple[list[tuple[str, list[int], FinishReason]], Any]:
+        async with Engine(qwen35_agree, n_ctx=2048, n_seq_max=4, **options) as engine:
+            convs = [engine.conversation(p) for p in PROMPTS]
+            first = await gather(*(c.stream(**{**GREEDY, "logit_bias": {}, "stop": stop}) for c in convs))
+            for c in convs:
+                c.prompt([504, 3426])
+            second = await gather(*(c.stream(**{**GREEDY, "logit_bias": {}, "max_tokens": 30}) for c in convs))
+            return [(o.text, o.tokens, o.finish_reason) for o in first + second], engine.statistics()
+
+    replies = [text for text, _, _ in (await turns([]))[0][:2]]
+    stop = [replies[0][len(replies[0]) // 3:][:6], replies[1][len(replies[1]) // 2:][:6]]
+    plain, _ = await turns(stop)
+    assert sum(reason is FinishReason.STOP for _, _, reason in plain[:4]) >= 2
+    drafted, stats = await turns(stop, mtp=True, overlap=True)
+    assert drafted == plain
+    assert stats.accepted_tokens > 0 and stats.discarded_tokens > 0
+
+
 async def test_a_draft_model_on_a_hybrid_model_gives_the_text_without_it(lfm2: Path, tiny_path: Path) -> None:
     plain, _ = await outputs(lfm2)
     drafted, stats = await outputs(lfm2, draft_model=tiny_path, draft_tokens=3)
