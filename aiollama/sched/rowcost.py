@@ -21,7 +21,7 @@ MIN_SPREAD = 0.5  # the weighted standard deviation of rows below which the fit 
 
 
 class RowCost:
-    """The online fit. ``add`` each decode-only step; ``share`` for the rows of the next."""
+    """The online fit. ``add`` each decode-only step; ``shares`` for the rows of the next."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -61,8 +61,3 @@ class RowCost:
             total = fixed + per_row * rows
             return per_row * rows / total if total > 0 and rows > 0 else 0.0
         return share
-
-    def share(self, rows: int) -> float:
-        """The share of a step of ``rows`` rows that its rows take (0 to 1; 0 when not known)."""
-        shares = self.shares()
-        return 0.0 if shares is None else shares(rows)

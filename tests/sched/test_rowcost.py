@@ -22,19 +22,20 @@ def test_the_fit_finds_the_fixed_and_the_per_row_time() -> None:
     cost = RowCost()
     for i in range(MIN_STEPS - 1):
         cost.add(1 + i % 8, 0.010 + 0.001 * (1 + i % 8))
-    assert cost.fit() is None and cost.share(8) == 0.0  # too few steps yet
+    assert cost.fit() is None and cost.shares() is None  # too few steps yet
     for i in range(40):
         cost.add(1 + i % 8, 0.010 + 0.001 * (1 + i % 8))
     fixed, per_row = cost.fit()  # type: ignore[misc]
     assert fixed == pytest.approx(0.010) and per_row == pytest.approx(0.001)
-    assert cost.share(8) == pytest.approx(8 / 18)
+    share = cost.shares()
+    assert share is not None and share(8) == pytest.approx(8 / 18) and share(0) == 0.0
 
 
 def test_steps_of_one_size_tell_nothing() -> None:
     cost = RowCost()
     for _ in range(50):
         cost.add(8, 0.02)
-    assert cost.fit() is None and cost.share(8) == 0.0
+    assert cost.fit() is None and cost.shares() is None
 
 
 def test_a_draft_token_pays_where_it_is_taken_more_often_than_a_row_costs() -> None:
