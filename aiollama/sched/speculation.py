@@ -56,9 +56,14 @@ def draft(tokens: Sequence[int], limit: int) -> tuple[int, ...]:
 PAST_TAKEN = 2  # after a partly taken draft, the next one offers this many more than were taken
 
 
-# A stream whose one-token drafts are rejected stops drafting for this many of its decodes, twice as
-# many after each further rejected probe (up to PAUSE_MAX), and probes with one token after them
+# A stream whose one-token drafts are rejected (or whose first draft is, none of its tokens taken
+# yet) stops drafting for this many of its decodes, PAUSE_GROWTH times as many after each further
+# rejected probe (up to PAUSE_MAX), and probes with one token after them. Where each row costs its
+# own compute (SmolLM2 on a 2-core CPU: a step of one row 7.8 ms, of two 14.2 ms), every probe
+# costs nearly a token: growing by 2, a draft that never agrees tried 6 tokens in a 96-token reply;
+# by 4 and pausing at once, 4.
 PAUSE_MIN = 8
+PAUSE_GROWTH = 4
 PAUSE_MAX = 256
 START = 2  # a stream's first draft: it doubles from there while drafts are taken whole
 
@@ -68,9 +73,9 @@ class DraftLength:
     rejected one,
     and follows what was taken after a partly taken one (each draft row costs a row of compute on
     a CPU: on the copying benchmark prompt this offered 86 rows instead of 96 for the same 67
-    taken tokens and 18 steps). A rejected one-token draft stops drafting for a pause (0: off),
-    longer after each rejected probe, so that drafts which never agree cost nearly nothing; an
-    accepted token ends the pauses and the length grows again."""
+    taken tokens and 18 steps). A rejected one-token draft, or a rejected first draft, stops
+    drafting for a pause (0: off), longer after each rejected probe, so that drafts which never
+    agree cost nearly nothing; an accepted token ends the pauses and the length grows again."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -88,9 +93,9 @@ class DraftLength:
             self.pause = PAUSE_MIN
         if taken == offered:
             self.current = min(self.limit, max(1, self.current) * 2)
-        elif taken == 0 and self.current <= 1:  # even one token does not agree: pause
+        elif taken == 0 and (self.current <= 1 or not self.accepted):  # even one token does not agree: pause
             self.current, self.paused = 0, self.pause
-            self.pause = min(PAUSE_MAX, self.pause * 2)
+            self.pause = min(PAUSE_MAX, self.pause * PAUSE_GROWTH)
         elif taken == 0:
             self.current = max(1, self.current // 2)
         else:  # the copy broke off inside the draft: offer about as much as was taken

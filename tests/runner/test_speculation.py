@@ -60,8 +60,19 @@ def test_draft_length_adapts() -> None:
     assert (length.drafted, length.accepted) == (40, 24)
 
 
+def test_a_first_draft_partly_taken_goes_on_and_a_rejected_one_pauses_only_while_nothing_was_taken() -> None:
+    length = DraftLength(8)
+    length.record(2, 1)
+    assert length.offer() == 3
+    length.record(3, 0)
+    assert length.offer() == 1  # a token was taken before: halve, no pause
+    fresh = DraftLength(8)
+    fresh.record(2, 0)
+    assert fresh.offer() == 0  # nothing taken yet: pause
+
+
 def test_drafts_that_never_agree_pause_longer_and_longer_and_resume_when_one_does() -> None:
-    from aiollama.sched.speculation import PAUSE_MAX, PAUSE_MIN
+    from aiollama.sched.speculation import PAUSE_GROWTH, PAUSE_MAX, PAUSE_MIN
 
     length = DraftLength(8)
     offered = []
@@ -70,9 +81,13 @@ def test_drafts_that_never_agree_pause_longer_and_longer_and_resume_when_one_doe
         offered.append(n)
         if n:
             length.record(n, 0)
-    assert offered[:2] == [2, 1] and offered[2:2 + PAUSE_MIN] == [0] * PAUSE_MIN
-    assert offered[2 + PAUSE_MIN] == 1  # a probe after the pause
-    assert sum(1 for n in offered if n) < 16  # 600 decodes, a handful of draft rows
+    # the first draft rejected whole: no second try before a pause
+    assert offered[:1 + PAUSE_MIN] == [2] + [0] * PAUSE_MIN
+    assert offered[1 + PAUSE_MIN] == 1  # a probe after the pause
+    second = 2 + PAUSE_MIN + PAUSE_MIN * PAUSE_GROWTH  # the next one after a longer pause
+    assert offered[2 + PAUSE_MIN:second] == [0] * (second - 2 - PAUSE_MIN) and offered[second] == 1
+    assert [n for n in offered[:96] if n] == [2, 1, 1]  # a 96-token reply tries 4 draft rows
+    assert sum(1 for n in offered if n) < 8  # 600 decodes, a handful of draft rows
     assert length.pause == PAUSE_MAX
     while length.offer() == 0:
         pass
