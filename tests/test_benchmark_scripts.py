@@ -4,6 +4,8 @@ the engine fails here rather than on the day its figures are wanted."""
 from __future__ import annotations
 
 import importlib
+import json
+import platform
 import sys
 from pathlib import Path
 
@@ -68,3 +70,20 @@ def test_the_overhead_benchmark_times_each_phase_and_puts_the_methods_back() -> 
     r = anyio.run(overhead.phases, 4)
     assert overhead.Scheduler.schedule is before
     assert set(r["plain"]) >= set(overhead.PHASES) and r["overlapped"]["collect"] > 0
+
+
+def test_results_of_a_second_run_on_one_day_go_beside_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    r = {"date": "2026-01-02", "machine": {"cpus": 3}, "run": 1}
+    common.save_results(r, "scenario", "first\n")
+    common.save_results({**r, "run": 2}, "scenario", "second\n")
+    common.save_results({**r, "run": 3}, "scenario", "third\n")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    stem = f"2026-01-02-{platform.machine()}-3cpu-scenario"
+    assert names == sorted(f"{stem}{n}.{e}" for n in ("", "-2", "-3") for e in ("json", "md"))
+    assert (tmp_path / f"{stem}.md").read_text() == "first\n"
+    assert json.loads((tmp_path / f"{stem}-3.json").read_text())["run"] == 3
+    assert capsys.readouterr().out.split() == ["first", "second", "third"]
