@@ -119,39 +119,49 @@ def mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
 
 
 QWEN35 = "qwen35"
+QWEN35MOE = "qwen35moe"
 
 
-def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: int = 64, n_head: int = 4,
-                           n_head_kv: int = 2, n_ff: int = 128, layers: str = "ga", d_state: int = 16,
-                           n_k_heads: int = 2, n_v_heads: int = 4, d_conv: int = 4) -> Path:
+def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, moe: bool = False, n_embd: int = 64,
+                           n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128, layers: str = "ga", d_state: int = 16,
+                           n_k_heads: int = 2, n_v_heads: int = 4, d_conv: int = 4, n_ff_exp: int = 32,
+                           n_expert: int = 4) -> Path:
     """A tiny Qwen3.5 (hybrid: gated-delta-net layers "g", a recurrent state each, beside gated
-    attention layers "a") with one MTP block after them, in llama.cpp's layout; ``agree`` as above."""
+    attention layers "a") with one MTP block after them, in llama.cpp's layout; ``agree`` as above.
+    ``moe``: Qwen3.5-MoE's (``qwen35moe``), every feed-forward a mixture of ``n_expert`` experts
+    (two used) beside a gated shared one, the MTP block's too."""
+    arch = QWEN35MOE if moe else QWEN35
     fields = copy_tokenizer(tokenizer_source)
     n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
     head_dim = n_embd // n_head
     key_dim, value_dim = d_state * n_k_heads, d_state * n_v_heads
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    writer = GGUFWriter(str(tmp), QWEN35)
+    writer = GGUFWriter(str(tmp), arch)
     writer.add_name("aiollama tiny hybrid MTP test model")
     writer.add_block_count(len(layers) + 1)
-    writer.add_uint32(f"{QWEN35}.nextn_predict_layers", 1)
-    writer.add_array(f"{QWEN35}.attention.recurrent_layers", [kind == "g" for kind in layers] + [False])
+    writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    writer.add_array(f"{arch}.attention.recurrent_layers", [kind == "g" for kind in layers] + [False])
     writer.add_context_length(4096)
     writer.add_embedding_length(n_embd)
     writer.add_feed_forward_length(n_ff)
+    if moe:
+        writer.add_expert_count(n_expert)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(n_ff_exp)
+        writer.add_expert_shared_feed_forward_length(n_ff_exp)
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_head_kv)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_array(f"{QWEN35}.rope.dimension_sections", [head_dim // 4, head_dim // 4 - head_dim // 8, head_dim // 8, 0])
+    writer.add_array(f"{arch}.rope.dimension_sections", [head_dim // 4, head_dim // 4 - head_dim // 8, head_dim // 8, 0])
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_uint32(f"{QWEN35}.ssm.conv_kernel", d_conv)
-    writer.add_uint32(f"{QWEN35}.ssm.inner_size", value_dim)
-    writer.add_uint32(f"{QWEN35}.ssm.state_size", d_state)
-    writer.add_uint32(f"{QWEN35}.ssm.time_step_rank", n_v_heads)
-    writer.add_uint32(f"{QWEN35}.ssm.group_count", n_k_heads)
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", d_conv)
+    writer.add_uint32(f"{arch}.ssm.inner_size", value_dim)
+    writer.add_uint32(f"{arch}.ssm.state_size", d_state)
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", n_v_heads)
+    writer.add_uint32(f"{arch}.ssm.group_count", n_k_heads)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(0)
     add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
@@ -185,16 +195,26 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n
             writer.add_tensor(p + "ssm_out.weight", weight(n_embd, value_dim, out=True))
         else:
             attention(p)
-        writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
-        writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
+        if moe:
+            writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
+            writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+            writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+            writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
+            writer.add_tensor(p + "ffn_gate_inp_shexp.weight", weight(n_embd))
+            writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
+            writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
+            writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
+        else:
+            writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
+            writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
+            writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
         if kind == "m":
             add_nextn(writer, p, n_embd, weight, agree)
     finish(writer, tmp, path)
     return path
 
 
-def qwen35_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
-    """The cached tiny hybrid MTP model, written on first use."""
-    name = f"tiny-qwen35-mtp-v1-{'agree' if agree else 'random'}.gguf"
-    return cached(cache / name, lambda p: write_qwen35_mtp_model(p, tokenizer_source, agree=agree))
+def qwen35_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool, moe: bool = False) -> Path:
+    """The cached tiny hybrid MTP model (``moe``: Qwen3.5-MoE's), written on first use."""
+    name = f"tiny-{QWEN35MOE if moe else QWEN35}-mtp-v1-{'agree' if agree else 'random'}.gguf"
+    return cached(cache / name, lambda p: write_qwen35_mtp_model(p, tokenizer_source, agree=agree, moe=moe))

@@ -1,10 +1,10 @@
 """Speculation on a hybrid model (the tiny LFM2: short convolutions beside attention; a tiny
-Qwen3.5 with an MTP block: gated delta nets beside attention), whose recurrent state drops a
-rejected draft by rolling back within its last decode (llama.cpp's snapshots,
-``aiollama.runner.removal``): greedy text identical to no drafts, with n-gram drafts, a draft model
-and MTP drafts, across streams, forks and new turns; a model whose state llama.cpp cannot roll
-back refuses drafts, a request drafting more than the snapshots hold is refused, and MTP is
-refused where llama.cpp does not run it."""
+Qwen3.5 with an MTP block, and its MoE variant: gated delta nets beside attention), whose
+recurrent state drops a rejected draft by rolling back within its last decode (llama.cpp's
+snapshots, ``aiollama.runner.removal``): greedy text identical to no drafts, with n-gram drafts, a
+draft model and MTP drafts, across streams, forks and new turns; a model whose state llama.cpp
+cannot roll back refuses drafts, a request drafting more than the snapshots hold is refused, and
+MTP is refused where llama.cpp does not run it."""
 
 from __future__ import annotations
 
@@ -121,12 +121,16 @@ async def test_a_draft_model_on_a_hybrid_model_gives_the_text_without_it(lfm2: P
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
-async def test_mtp_drafts_on_a_hybrid_model_give_the_text_without_them(qwen35_agree: Path, qwen35_random: Path,
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+async def test_mtp_drafts_on_a_hybrid_model_give_the_text_without_them(smollm2_path: Path, moe: bool,
                                                                        overlap: bool) -> None:
-    """Qwen3.5's layout: llama.cpp runs the MTP block in a context of its own with an attention
-    cache only, the target's recurrent state rolls back what the head guessed wrong."""
+    """Qwen3.5's layout (and Qwen3.5-MoE's, experts in every layer and in the MTP block): llama.cpp
+    runs the MTP block in a context of its own with an attention cache only, the target's
+    recurrent state rolls back what the head guessed wrong."""
     unbiased = {**GREEDY, "logit_bias": {}}
-    for model, agree in ((qwen35_agree, True), (qwen35_random, False)):
+    cache = aiollama.cache_dir() / "test-models"
+    for agree in (True, False):
+        model = qwen35_mtp_model(cache, smollm2_path, agree=agree, moe=moe)
         plain, before = await outputs(model, unbiased)
         drafted, stats = await outputs(model, unbiased, mtp=True, overlap=overlap)
         assert drafted == plain
