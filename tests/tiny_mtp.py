@@ -218,3 +218,109 @@ def qwen35_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool, moe: b
     """The cached tiny hybrid MTP model (``moe``: Qwen3.5-MoE's), written on first use."""
     name = f"tiny-{QWEN35MOE if moe else QWEN35}-mtp-v1-{'agree' if agree else 'random'}.gguf"
     return cached(cache / name, lambda p: write_qwen35_mtp_model(p, tokenizer_source, agree=agree, moe=moe))
+
+
+NEMOTRON_H_MOE = "nemotron_h_moe"
+
+
+def write_nemotron_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: int = 64, n_head: int = 4,
+                             n_head_kv: int = 2, layers: str = "MAE", d_state: int = 16, n_ssm_head: int = 4,
+                             n_group: int = 2, d_conv: int = 4, n_ff_exp: int = 32, n_expert: int = 4) -> Path:
+    """A tiny Nemotron-H MoE (hybrid: Mamba-2 layers "M", a recurrent state each, attention layers
+    "A" and mixture-of-experts layers "E", each a block of its own) with one MTP block after them (an
+    attention and a mixture of experts sub-layer, then a layer norm before the model's output), in
+    llama.cpp's layout; ``agree`` as above (the embeddings' rows have a mean of zero, so that the
+    head's layer norm and the model's RMS norm give one direction)."""
+    fields = copy_tokenizer(tokenizer_source)
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
+    arch, head_dim, d_inner = NEMOTRON_H_MOE, n_embd // n_head, n_embd
+    conv_dim = d_inner + 2 * n_group * d_state
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), arch)
+    writer.add_name("aiollama tiny hybrid MTP test model")
+    writer.add_block_count(len(layers) + 1)
+    writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    # a layer is recurrent where it has neither key-value heads nor a feed-forward
+    writer.add_feed_forward_length([n_ff_exp if kind == "E" else 0 for kind in layers] + [n_ff_exp])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv([n_head_kv if kind == "A" else 0 for kind in layers] + [n_head_kv])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(2)
+    writer.add_expert_feed_forward_length(n_ff_exp)
+    writer.add_expert_shared_feed_forward_length(n_ff_exp)
+    writer.add_expert_shared_count(1)
+    writer.add_expert_weights_norm(True)
+    writer.add_expert_weights_scale(1.0)
+    writer.add_layer_norm_eps(1e-5)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", d_conv)
+    writer.add_uint32(f"{arch}.ssm.inner_size", d_inner)
+    writer.add_uint32(f"{arch}.ssm.state_size", d_state)
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", n_ssm_head)
+    writer.add_uint32(f"{arch}.ssm.group_count", n_group)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(0)
+    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+    weight = weights(23 if agree else 29, agree)
+
+    def attention(p: str) -> None:
+        writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd))
+        writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim, out=True))
+
+    def experts(p: str) -> None:
+        writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
+        writer.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
+        writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
+        writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    embd = weight(n_vocab, n_embd, scale=1.0)
+    writer.add_tensor("token_embd.weight", embd - embd.mean(axis=1, keepdims=True))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    for i, kind in enumerate(layers):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones)
+        if kind == "M":
+            writer.add_tensor(p + "ssm_in.weight", weight(2 * d_inner + 2 * n_group * d_state + n_ssm_head, n_embd))
+            writer.add_tensor(p + "ssm_conv1d.weight", weight(conv_dim, d_conv, scale=0.5))
+            writer.add_tensor(p + "ssm_conv1d.bias", np.zeros(conv_dim, dtype=np.float32))
+            writer.add_tensor(p + "ssm_dt.bias", np.zeros(n_ssm_head, dtype=np.float32))
+            writer.add_tensor(p + "ssm_a", -np.ones((n_ssm_head, 1), dtype=np.float32))
+            writer.add_tensor(p + "ssm_d", np.ones((n_ssm_head, 1), dtype=np.float32))
+            writer.add_tensor(p + "ssm_norm.weight", np.ones((n_group, d_inner // n_group), dtype=np.float32))
+            writer.add_tensor(p + "ssm_out.weight", weight(n_embd, d_inner, out=True))
+        elif kind == "A":
+            attention(p)
+        else:
+            experts(p)
+    p = f"blk.{len(layers)}."
+    add_nextn(writer, p, n_embd, weight, agree)
+    writer.add_tensor(p + "nextn.shared_head_norm.weight", ones)
+    writer.add_tensor(p + "attn_norm.weight", ones)
+    attention(p)
+    writer.add_tensor(p + "post_attention_norm.weight", ones)
+    experts(p)
+    finish(writer, tmp, path)
+    return path
+
+
+def nemotron_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
+    """The cached tiny Nemotron-H MoE with an MTP block, written on first use."""
+    name = f"tiny-{NEMOTRON_H_MOE}-mtp-v1-{'agree' if agree else 'random'}.gguf"
+    return cached(cache / name, lambda p: write_nemotron_mtp_model(p, tokenizer_source, agree=agree))
+
+
+def hybrid_mtp_model(cache: Path, tokenizer_source: Path, arch: str, *, agree: bool) -> Path:
+    """The cached tiny hybrid MTP model of ``arch`` (qwen35, qwen35moe or nemotron_h_moe)."""
+    if arch == NEMOTRON_H_MOE:
+        return nemotron_mtp_model(cache, tokenizer_source, agree=agree)
+    return qwen35_mtp_model(cache, tokenizer_source, agree=agree, moe=arch == QWEN35MOE)

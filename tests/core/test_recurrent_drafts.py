@@ -1,10 +1,11 @@
 """Speculation on a hybrid model (the tiny LFM2: short convolutions beside attention; a tiny
-Qwen3.5 with an MTP block, and its MoE variant: gated delta nets beside attention), whose
-recurrent state drops a rejected draft by rolling back within its last decode (llama.cpp's
-snapshots, ``aiollama.runner.removal``): greedy text identical to no drafts, with n-gram drafts, a
-draft model and MTP drafts, across streams, forks and new turns; a model whose state llama.cpp
-cannot roll back refuses drafts, a request drafting more than the snapshots hold is refused, and
-MTP is refused where llama.cpp does not run it."""
+Qwen3.5 with an MTP block, and its MoE variant: gated delta nets beside attention; a tiny
+Nemotron-H MoE with one: Mamba-2 layers beside attention), whose recurrent state drops a rejected
+draft by rolling back within its last decode (llama.cpp's snapshots, ``aiollama.runner.removal``):
+greedy text identical to no drafts, with n-gram drafts, a draft model and MTP drafts, across
+streams, forks and new turns; a model whose state llama.cpp cannot roll back refuses drafts, a
+request drafting more than the snapshots hold is refused, and MTP is refused where llama.cpp does
+not run it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import anyio
 import pytest
 from helpers import gather
 from tiny_model import lfm2_model, mamba_model
-from tiny_mtp import qwen35_mtp_model
+from tiny_mtp import hybrid_mtp_model, qwen35_mtp_model
 
 import aiollama
 from aiollama import Engine, FinishReason
@@ -121,16 +122,17 @@ async def test_a_draft_model_on_a_hybrid_model_gives_the_text_without_it(lfm2: P
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
-@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
-async def test_mtp_drafts_on_a_hybrid_model_give_the_text_without_them(smollm2_path: Path, moe: bool,
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "nemotron_h_moe"])
+async def test_mtp_drafts_on_a_hybrid_model_give_the_text_without_them(smollm2_path: Path, arch: str,
                                                                        overlap: bool) -> None:
-    """Qwen3.5's layout (and Qwen3.5-MoE's, experts in every layer and in the MTP block): llama.cpp
-    runs the MTP block in a context of its own with an attention cache only, the target's
-    recurrent state rolls back what the head guessed wrong."""
+    """Qwen3.5's layout, Qwen3.5-MoE's (experts in every layer and in the MTP block) and
+    Nemotron-H MoE's (Mamba-2 layers; a head of its own kind): llama.cpp runs the MTP block in a
+    context of its own with an attention cache only, the target's recurrent state rolls back what
+    the head guessed wrong."""
     unbiased = {**GREEDY, "logit_bias": {}}
     cache = aiollama.cache_dir() / "test-models"
     for agree in (True, False):
-        model = qwen35_mtp_model(cache, smollm2_path, agree=agree, moe=moe)
+        model = hybrid_mtp_model(cache, smollm2_path, arch, agree=agree)
         plain, before = await outputs(model, unbiased)
         drafted, stats = await outputs(model, unbiased, mtp=True, overlap=overlap)
         assert drafted == plain
@@ -140,8 +142,8 @@ async def test_mtp_drafts_on_a_hybrid_model_give_the_text_without_them(smollm2_p
             assert stats.drafted_tokens > stats.accepted_tokens
 
 
-@pytest.mark.parametrize("drafts", ["n-gram", "mtp"])
-async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives(drafts: str,
+@pytest.mark.parametrize("drafts", ["n-gram", "mtp", "mtp-nemotron"])
+async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives(drafts: str, smollm2_path: Path,
                                                                                  request: pytest.FixtureRequest) -> None:
     """A fork or a new turn copies (or shares) the state a drafted step left, rollback and all:
     replies of several lengths, and replies that an end token, made likelier, ends on a row of a
@@ -152,7 +154,9 @@ async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives
         ending: dict[str, Any] = {**GREEDY, "ignore_eos": False, "logit_bias": {**BIAS, END: 38.0}}
         cases = [(PROMPTS[0], {**GREEDY, "max_tokens": n}) for n in range(6, 30, 2)]
     else:
-        model, options = request.getfixturevalue("qwen35_random"), {"mtp": True}
+        model = request.getfixturevalue("qwen35_random") if drafts == "mtp" else \
+            hybrid_mtp_model(aiollama.cache_dir() / "test-models", smollm2_path, "nemotron_h_moe", agree=False)
+        options = {"mtp": True}
         ending, cases = {**GREEDY, "ignore_eos": False, "logit_bias": {END: 35.0}}, []
     cases += [([*PROMPTS[0], 100 + i], ending) for i in range(12)]
     expected: list[tuple[list[int], list[int], list[int]]] = []  # (history after the reply, fork's, next turn's)

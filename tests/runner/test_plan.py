@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from tiny_model import bert_model, lfm2_model, mamba_model
-from tiny_mtp import mtp_model, qwen35_mtp_model
+from tiny_mtp import mtp_model, nemotron_mtp_model, qwen35_mtp_model
 
 import aiollama
 from aiollama import Engine, ModelEntry, ModelSet, plan
@@ -41,11 +41,16 @@ def models(tiny_path: Path, smollm2_path: Path) -> dict[str, tuple[Path, dict[st
             "mtp": (mtp_model(cache, smollm2_path, agree=False), {"n_ctx": 1024, "n_seq_max": 2, "mtp": True}),
             "hybrid mtp": (qwen35_mtp_model(cache, smollm2_path, agree=False), {"n_ctx": 512, "n_seq_max": 2, "mtp": True}),
             "hybrid moe mtp": (qwen35_mtp_model(cache, smollm2_path, agree=False, moe=True),
-                               {"n_ctx": 512, "n_seq_max": 2, "mtp": True})}
+                               {"n_ctx": 512, "n_seq_max": 2, "mtp": True}),
+            "nemotron mtp": (nemotron_mtp_model(cache, smollm2_path, agree=False),
+                             {"n_ctx": 512, "n_seq_max": 2, "mtp": True})}
+
+
+HYBRID_MTP = ("hybrid mtp", "hybrid moe mtp", "nemotron mtp")
 
 
 @pytest.mark.parametrize("name", ["chat", "unified", "embedding", "recurrent", "hybrid drafts", "mtp", "hybrid mtp",
-                                  "hybrid moe mtp"])
+                                  "hybrid moe mtp", "nemotron mtp"])
 async def test_the_plan_agrees_with_what_the_engine_holds(models: dict[str, Any], name: str) -> None:
     path, options = models[name]
     planned = plan(path, **options)
@@ -57,10 +62,10 @@ async def test_the_plan_agrees_with_what_the_engine_holds(models: dict[str, Any]
     if name in ("chat", "unified"):
         assert planned.memory_bytes > 0 and planned.kv_bytes_per_cell * planned.n_ctx >= planned.memory_bytes
         assert planned.kv_bytes_per_stream == planned.kv_bytes_per_cell * planned.n_ctx_seq
-    if name in ("mtp", "hybrid mtp", "hybrid moe mtp"):  # the MTP context's cells and compute buffers come on top
+    if name == "mtp" or name in HYBRID_MTP:  # the MTP context's cells and compute buffers come on top
         alone = plan(path, **{**options, "mtp": False})
         assert planned.memory_bytes > alone.memory_bytes and planned.compute_bytes > alone.compute_bytes
-    if name in ("hybrid drafts", "hybrid mtp", "hybrid moe mtp"):  # the recurrent state keeps snapshots to roll drafts back
+    if name == "hybrid drafts" or name in HYBRID_MTP:  # the recurrent state keeps snapshots to roll drafts back
         assert planned.memory_bytes > plan(path, **{**options, "mtp": False, "draft_tokens": 0}).memory_bytes
     if name == "unified":  # f32 keys and values take twice f16's
         assert planned.kv_bytes_per_cell == 2 * plan(path, n_ctx=2048, n_seq_max=2).kv_bytes_per_cell
