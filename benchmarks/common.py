@@ -42,6 +42,25 @@ class StreamTiming:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:]) if since <= b <= until]
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user and system) each thread of process ``pid`` has used so far, by thread
+    id; empty where /proc cannot tell (not Linux, or the process is gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
 def throughput(timings: list[StreamTiming]) -> dict[str, float]:
     """Aggregate tokens/s: end to end, and in the decode phase (after every stream's first token)."""
     start = min(t.start for t in timings)

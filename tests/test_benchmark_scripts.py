@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -87,3 +88,20 @@ def test_results_of_a_second_run_on_one_day_go_beside_the_first(tmp_path: Path, 
     assert (tmp_path / f"{stem}.md").read_text() == "first\n"
     assert json.loads((tmp_path / f"{stem}-3.json").read_text())["run"] == 3
     assert capsys.readouterr().out.split() == ["first", "second", "third"]
+
+
+def test_thread_cpu_reads_each_threads_own_time() -> None:
+    import threading
+    import time
+
+    import common
+
+    me = threading.get_native_id()
+    before = common.thread_cpu(os.getpid())
+    assert me in before and all(seconds >= 0.0 for seconds in before.values())
+    deadline = time.monotonic() + 30.0
+    while common.thread_cpu(os.getpid())[me] <= before[me] and time.monotonic() < deadline:
+        sum(range(10_000))  # busy on this thread until its clock ticks
+    assert common.thread_cpu(os.getpid())[me] > before[me]
+    gone = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 1_000_000  # above any pid in use
+    assert common.thread_cpu(gone) == {}  # a process that is not there: nothing, no error
