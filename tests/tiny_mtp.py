@@ -122,6 +122,16 @@ QWEN35 = "qwen35"
 QWEN35MOE = "qwen35moe"
 
 
+def add_ssm_and_vocab(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab: int, **ssm: int) -> None:
+    """A hybrid's recurrent sizes (``{arch}.ssm.<name>`` for each of ``ssm``), then the
+    vocabulary's size, an all-F32 file type and the tokenizer's fields."""
+    for name, value in ssm.items():
+        writer.add_uint32(f"{arch}.ssm.{name}", value)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(0)
+    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+
+
 def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, moe: bool = False, n_embd: int = 64,
                            n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128, layers: str = "ga", d_state: int = 16,
                            n_k_heads: int = 2, n_v_heads: int = 4, d_conv: int = 4, n_ff_exp: int = 32,
@@ -157,14 +167,8 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, m
     writer.add_array(f"{arch}.rope.dimension_sections", [head_dim // 4, head_dim // 4 - head_dim // 8, head_dim // 8, 0])
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_uint32(f"{arch}.ssm.conv_kernel", d_conv)
-    writer.add_uint32(f"{arch}.ssm.inner_size", value_dim)
-    writer.add_uint32(f"{arch}.ssm.state_size", d_state)
-    writer.add_uint32(f"{arch}.ssm.time_step_rank", n_v_heads)
-    writer.add_uint32(f"{arch}.ssm.group_count", n_k_heads)
-    writer.add_vocab_size(n_vocab)
-    writer.add_file_type(0)
-    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+    add_ssm_and_vocab(writer, arch, fields, n_vocab, conv_kernel=d_conv, inner_size=value_dim, state_size=d_state,
+                      time_step_rank=n_v_heads, group_count=n_k_heads)
     weight = weights(17 if agree else 19, agree)
 
     def attention(p: str) -> None:
@@ -257,14 +261,8 @@ def write_nemotron_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
     writer.add_expert_weights_scale(1.0)
     writer.add_layer_norm_eps(1e-5)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_uint32(f"{arch}.ssm.conv_kernel", d_conv)
-    writer.add_uint32(f"{arch}.ssm.inner_size", d_inner)
-    writer.add_uint32(f"{arch}.ssm.state_size", d_state)
-    writer.add_uint32(f"{arch}.ssm.time_step_rank", n_ssm_head)
-    writer.add_uint32(f"{arch}.ssm.group_count", n_group)
-    writer.add_vocab_size(n_vocab)
-    writer.add_file_type(0)
-    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+    add_ssm_and_vocab(writer, arch, fields, n_vocab, conv_kernel=d_conv, inner_size=d_inner, state_size=d_state,
+                      time_step_rank=n_ssm_head, group_count=n_group)
     weight = weights(23 if agree else 29, agree)
 
     def attention(p: str) -> None:
