@@ -8,6 +8,7 @@ import platform
 import random
 import statistics
 import subprocess
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,24 @@ class StreamTiming:
 
     def gaps(self, since: float = 0.0, until: float = float("inf")) -> list[float]:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:]) if since <= b <= until]
+
+
+Rate = Callable[[], Awaitable[tuple[float, float]]]  # a run: (tokens/s, the share of drafts taken)
+
+
+async def back_to_back(rounds: int, base: Rate, variant: Rate) -> tuple[list[float], list[float], float]:
+    """``rounds`` pairs run back to back, ``base`` just before ``variant``, so that the machine's
+    drift falls on both alike: each pair's ratio of the variant's tokens/s to the base's, the base's
+    tokens/s, and the last variant run's share of drafts taken."""
+    ratios: list[float] = []
+    bases: list[float] = []
+    taken = 0.0
+    for _ in range(rounds):
+        before, _ = await base()
+        after, taken = await variant()
+        ratios.append(after / before)
+        bases.append(before)
+    return ratios, bases, taken
 
 
 def thread_cpu(pid: int) -> dict[int, float]:

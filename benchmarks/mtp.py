@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from common import machine, save_results  # noqa: E402
+from common import back_to_back, machine, save_results  # noqa: E402
 from tiny_model import cached, spm_tokenizer  # noqa: E402
 from tiny_mtp import write_mtp_model  # noqa: E402
 
@@ -89,12 +89,9 @@ async def main_async(streams: list[int], draft_tokens: int, rounds: int, shape: 
         row: dict[str, Any] = {}
         for agree in (True, False):
             path = model(agree, shape)
-            ratios, bases = [], []
-            for _ in range(rounds):  # back to back, the median of each pair's ratio
-                base, _ = await rate(path, n, device_s)
-                mtp, taken = await rate(path, n, device_s, mtp=True, draft_tokens=draft_tokens)
-                ratios.append(mtp / base)
-                bases.append(base)
+            ratios, bases, taken = await back_to_back(
+                rounds, lambda: rate(path, n, device_s),
+                lambda: rate(path, n, device_s, mtp=True, draft_tokens=draft_tokens))
             kind = "agrees" if agree else "never"
             row.update({f"{kind}_none_tok_s": statistics.median(bases), f"{kind}_ratio": statistics.median(ratios),
                         f"{kind}_ratios": ratios, f"{kind}_taken": taken})

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from common import machine, save_results  # noqa: E402
+from common import back_to_back, machine, save_results  # noqa: E402
 from scenarios import copy_prompts  # noqa: E402
 from tiny_model import tiny_model  # noqa: E402
 
@@ -74,11 +74,8 @@ async def rate(model: Path, n: int, copy: bool, **options: Any) -> tuple[float, 
 async def pairs(rounds: int, target: Path, n: int, copy: bool, **options: Any) -> tuple[float, float, list[float]]:
     """The median over ``rounds`` back-to-back pairs (no speculation, then ``options``) of the
     pair's ratio; the last variant's share of drafts taken; the ratios."""
-    ratios, taken = [], 0.0
-    for _ in range(rounds):
-        base, _ = await rate(target, n, copy)
-        variant, taken = await rate(target, n, copy, **options)
-        ratios.append(variant / base)
+    ratios, _, taken = await back_to_back(rounds, lambda: rate(target, n, copy),
+                                          lambda: rate(target, n, copy, **options))
     return statistics.median(ratios), taken, ratios
 
 

@@ -105,3 +105,20 @@ def test_thread_cpu_reads_each_threads_own_time() -> None:
     assert common.thread_cpu(os.getpid())[me] > before[me]
     gone = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 1_000_000  # above any pid in use
     assert common.thread_cpu(gone) == {}  # a process that is not there: nothing, no error
+
+
+def test_back_to_back_pairs_run_the_base_just_before_the_variant() -> None:
+    import common
+
+    order: list[str] = []
+    rates = iter([100.0, 90.0, 50.0, 60.0])
+
+    def run(name: str, taken: float) -> common.Rate:
+        async def go() -> tuple[float, float]:
+            order.append(name)
+            return next(rates), taken
+        return go
+
+    ratios, bases, taken = anyio.run(common.back_to_back, 2, run("base", 0.0), run("variant", 0.25))
+    assert order == ["base", "variant", "base", "variant"]
+    assert ratios == [0.9, 1.2] and bases == [100.0, 50.0] and taken == 0.25

@@ -93,7 +93,7 @@ class DraftLength:
             self.pause = PAUSE_MIN
         if taken == offered:
             self.current = min(self.limit, max(1, self.current) * 2)
-        elif taken == 0 and (self.current <= 1 or not self.accepted):  # even one token does not agree: pause
+        elif taken == 0 and (self.current <= 1 or not self.accepted):  # one token, or anything yet, rejected: pause
             self.current, self.paused = 0, self.pause
             self.pause = min(PAUSE_MAX, self.pause * PAUSE_GROWTH)
         elif taken == 0:
