@@ -142,16 +142,19 @@ def machine() -> dict[str, object]:
     }
 
 
-def save_results(r: dict[str, Any], scenario: str, text: str) -> None:
+def save_results(r: dict[str, Any], scenario: str, text: str, stem: str | None = None) -> str:
     """Write ``r`` and its markdown ``text`` to results/<date>-<machine>-<cpus>cpu-<scenario>.{json,md}
     (with -2, -3, ... after it where a run of the day has those names: results are never
-    overwritten) and print the text."""
-    base = f"{r['date']}-{platform.machine()}-{r['machine']['cpus']}cpu-{scenario}"
-    stem, n = base, 1
-    while (RESULTS / f"{stem}.json").exists() or (RESULTS / f"{stem}.md").exists():
-        n += 1
-        stem = f"{base}-{n}"
+    overwritten) and print the text; return the stem written. ``stem``: the one an earlier call of
+    the same run returned, whose partial results these replace."""
+    if stem is None:
+        base = f"{r['date']}-{platform.machine()}-{r['machine']['cpus']}cpu-{scenario}"
+        stem, n = base, 1
+        while (RESULTS / f"{stem}.json").exists() or (RESULTS / f"{stem}.md").exists():
+            n += 1
+            stem = f"{base}-{n}"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(r, indent=2) + "\n")
     (RESULTS / f"{stem}.md").write_text(text)
     print(text)
+    return stem

@@ -272,7 +272,7 @@ async def main(args: argparse.Namespace) -> int:
             print(f"rounds: {name} {n} streams", flush=True)
             r["rounds"][f"{name}|{n}|{new}"] = await rounds(models[name], threads, n, new, args.rounds, n_vocab,
                                                            server_bin, args.baseline)
-    save_results(r, "steady" if not args.tag else f"steady-{args.tag}", report(r))  # kept if what follows fails
+    stem = save_results(r, "steady" if not args.tag else f"steady-{args.tag}", report(r))  # kept if what follows fails
     if args.windows and server_bin is not None:
         banned = eog_tokens(smollm2)
         n_ctx = 8192
@@ -298,7 +298,7 @@ async def main(args: argparse.Namespace) -> int:
             with server:
                 r["arrivals"][label] = await http_arrivals(server.url, n_vocab, args.windows, args.window, banned)
             print("  ", [round(x) for x in r["arrivals"][label]], flush=True)
-    save_results(r, "steady" if not args.tag else f"steady-{args.tag}", report(r))
+    save_results(r, "steady", report(r), stem=stem)  # the same files, now whole
     return 0
 
 

@@ -88,6 +88,10 @@ def test_results_of_a_second_run_on_one_day_go_beside_the_first(tmp_path: Path, 
     assert (tmp_path / f"{stem}.md").read_text() == "first\n"
     assert json.loads((tmp_path / f"{stem}-3.json").read_text())["run"] == 3
     assert capsys.readouterr().out.split() == ["first", "second", "third"]
+    # a run that saves partial results first replaces them with its whole results, and only them
+    stem = common.save_results({**r, "run": 4}, "scenario", "partial\n")
+    assert common.save_results({**r, "run": 4}, "scenario", "whole\n", stem=stem) == stem
+    assert (tmp_path / f"{stem}.md").read_text() == "whole\n" and len(list(tmp_path.iterdir())) == 8
 
 
 def test_thread_cpu_reads_each_threads_own_time() -> None:
