@@ -120,6 +120,7 @@ def mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
 
 QWEN35 = "qwen35"
 QWEN35MOE = "qwen35moe"
+QWEN3NEXT = "qwen3next"
 
 
 def add_ssm_and_vocab(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab: int, **ssm: int) -> None:
@@ -132,15 +133,19 @@ def add_ssm_and_vocab(writer: GGUFWriter, arch: str, fields: dict[str, object], 
     add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
 
 
-def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, moe: bool = False, n_embd: int = 64,
+def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, arch: str = QWEN35, n_embd: int = 64,
                            n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128, layers: str = "ga", d_state: int = 16,
                            n_k_heads: int = 2, n_v_heads: int = 4, d_conv: int = 4, n_ff_exp: int = 32,
                            n_expert: int = 4) -> Path:
     """A tiny Qwen3.5 (hybrid: gated-delta-net layers "g", a recurrent state each, beside gated
     attention layers "a") with one MTP block after them, in llama.cpp's layout; ``agree`` as above.
-    ``moe``: Qwen3.5-MoE's (``qwen35moe``), every feed-forward a mixture of ``n_expert`` experts
-    (two used) beside a gated shared one, the MTP block's too."""
-    arch = QWEN35MOE if moe else QWEN35
+    ``arch`` ``qwen35moe`` (Qwen3.5-MoE) and ``qwen3next`` (Qwen3-Next, the family's first): every
+    feed-forward a mixture of ``n_expert`` experts (two used) beside a gated shared one, the MTP
+    block's too; Qwen3-Next's gated-delta-net layers read their beta and alpha from one projection,
+    and its rotary embedding has no sections."""
+    if arch not in (QWEN35, QWEN35MOE, QWEN3NEXT):
+        raise ValueError(f"not a Qwen hybrid: {arch}")
+    moe = arch != QWEN35
     fields = copy_tokenizer(tokenizer_source)
     n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
     head_dim = n_embd // n_head
@@ -164,7 +169,8 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, m
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_array(f"{arch}.rope.dimension_sections", [head_dim // 4, head_dim // 4 - head_dim // 8, head_dim // 8, 0])
+    if arch != QWEN3NEXT:
+        writer.add_array(f"{arch}.rope.dimension_sections", [head_dim // 4, head_dim // 4 - head_dim // 8, head_dim // 8, 0])
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     add_ssm_and_vocab(writer, arch, fields, n_vocab, conv_kernel=d_conv, inner_size=value_dim, state_size=d_state,
@@ -193,8 +199,11 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, m
             writer.add_tensor(p + "ssm_conv1d.weight", weight(2 * key_dim + value_dim, d_conv, scale=0.5))
             writer.add_tensor(p + "ssm_dt.bias", np.zeros(n_v_heads, dtype=np.float32))
             writer.add_tensor(p + "ssm_a", -np.ones(n_v_heads, dtype=np.float32))
-            writer.add_tensor(p + "ssm_beta.weight", weight(n_v_heads, n_embd))
-            writer.add_tensor(p + "ssm_alpha.weight", weight(n_v_heads, n_embd))
+            if arch == QWEN3NEXT:
+                writer.add_tensor(p + "ssm_ba.weight", weight(2 * n_v_heads, n_embd))
+            else:
+                writer.add_tensor(p + "ssm_beta.weight", weight(n_v_heads, n_embd))
+                writer.add_tensor(p + "ssm_alpha.weight", weight(n_v_heads, n_embd))
             writer.add_tensor(p + "ssm_norm.weight", np.ones(d_state, dtype=np.float32))
             writer.add_tensor(p + "ssm_out.weight", weight(n_embd, value_dim, out=True))
         else:
@@ -218,10 +227,10 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, m
     return path
 
 
-def qwen35_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool, moe: bool = False) -> Path:
-    """The cached tiny hybrid MTP model (``moe``: Qwen3.5-MoE's), written on first use."""
-    name = f"tiny-{QWEN35MOE if moe else QWEN35}-mtp-v1-{'agree' if agree else 'random'}.gguf"
-    return cached(cache / name, lambda p: write_qwen35_mtp_model(p, tokenizer_source, agree=agree, moe=moe))
+def qwen35_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool, arch: str = QWEN35) -> Path:
+    """The cached tiny Qwen hybrid MTP model of ``arch``, written on first use."""
+    name = f"tiny-{arch}-mtp-v1-{'agree' if agree else 'random'}.gguf"
+    return cached(cache / name, lambda p: write_qwen35_mtp_model(p, tokenizer_source, agree=agree, arch=arch))
 
 
 NEMOTRON_H_MOE = "nemotron_h_moe"
@@ -318,7 +327,7 @@ def nemotron_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> P
 
 
 def hybrid_mtp_model(cache: Path, tokenizer_source: Path, arch: str, *, agree: bool) -> Path:
-    """The cached tiny hybrid MTP model of ``arch`` (qwen35, qwen35moe or nemotron_h_moe)."""
+    """The cached tiny hybrid MTP model of ``arch`` (qwen35, qwen35moe, qwen3next or nemotron_h_moe)."""
     if arch == NEMOTRON_H_MOE:
         return nemotron_mtp_model(cache, tokenizer_source, agree=agree)
-    return qwen35_mtp_model(cache, tokenizer_source, agree=agree, moe=arch == QWEN35MOE)
+    return qwen35_mtp_model(cache, tokenizer_source, agree=agree, arch=arch)

@@ -36,7 +36,8 @@ from aiollama.sched.step import Copy, Op, Remove, Restore, Shift, Slice
 
 # The hybrid architectures (recurrent layers beside attention) whose MTP context llama.cpp gives a
 # plain attention cache for the MTP block alone: the recurrent state stays in the target's context,
-# which rolls a rejected draft back like any other (see aiollama.runner.removal).
+# which rolls a rejected draft back like any other (see aiollama.runner.removal) where llama.cpp
+# keeps snapshots for the architecture (not Qwen3-Next's at the pinned tag: check_rollback refuses it).
 MTP_HYBRIDS = frozenset({"qwen3next", "qwen35", "qwen35moe", "qwen4exp", "bailingmoe3", "nemotron_h_moe"})
 
 # A sequence's entries wait to be decoded until it drafts (with its first draft entry, in one

@@ -33,8 +33,9 @@ def check_rollback(config: EngineConfig, ctx: Context, name: str) -> None:
     """Drafts on a recurrent or hybrid model drop their rejected tokens by rolling the state back
     within its last decode; UnsupportedModel where llama.cpp keeps no snapshots for the model."""
     if ctx.model.is_recurrent and config.draft_tokens and ctx.rollback < config.draft_tokens:
+        what = "give no mtp" if config.mtp else "no draft_model, draft_tokens=0"
         raise UnsupportedModel(f"{name} is a recurrent or hybrid model whose state llama.cpp cannot roll back: "
-                               "rejected draft tokens cannot be dropped from it (no draft_model, draft_tokens=0)")
+                               f"rejected draft tokens cannot be dropped from it ({what})")
 
 
 def kv_bytes_per_cell(model: Model, config: EngineConfig) -> int:

@@ -5,7 +5,7 @@ draft by rolling back within its last decode (llama.cpp's snapshots, ``aiollama.
 greedy text identical to no drafts, with n-gram drafts, a draft model and MTP drafts, across
 streams, forks and new turns; a model whose state llama.cpp cannot roll back refuses drafts, a
 request drafting more than the snapshots hold is refused, and MTP is refused where llama.cpp does
-not run it."""
+not run it or cannot roll the state back (a tiny Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -140,6 +140,23 @@ async def test_mtp_drafts_on_a_hybrid_model_give_the_text_without_them(smollm2_p
             assert stats.accepted_tokens == stats.drafted_tokens > 0 and stats.decode_steps < before.decode_steps / 3
         else:  # guessed wrong: rolled back
             assert stats.drafted_tokens > stats.accepted_tokens
+
+
+async def test_mtp_on_qwen3_next_is_refused_where_llama_cpp_cannot_roll_its_state_back(smollm2_path: Path) -> None:
+    """Qwen3-Next: llama.cpp at the pinned tag loads its MTP block and runs the head, but keeps no
+    snapshots of its gated-delta-net state (``llm_arch_supports_rs_rollback``), so a rejected draft
+    could not be dropped from it. The engine and the plan refuse MTP with a typed error that says
+    what to change; the model itself runs, and gives the same text twice."""
+    model = hybrid_mtp_model(aiollama.cache_dir() / "test-models", smollm2_path, "qwen3next", agree=True)
+    with pytest.raises(UnsupportedModel, match=r"cannot roll back.*\(give no mtp\)"):
+        async with Engine(model, n_ctx=512, n_seq_max=2, mtp=True):
+            pass
+    with pytest.raises(UnsupportedModel, match=r"\(give no mtp\)"):
+        aiollama.plan(model, n_ctx=512, n_seq_max=2, mtp=True)
+    first, _ = await outputs(model, {**GREEDY, "logit_bias": {}})
+    again, stats = await outputs(model, {**GREEDY, "logit_bias": {}})
+    assert first == again and all(len(tokens) == 40 for tokens in first)
+    assert stats.drafted_tokens == 0
 
 
 @pytest.mark.parametrize("drafts", ["n-gram", "mtp", "mtp-nemotron"])

@@ -40,7 +40,7 @@ def models(tiny_path: Path, smollm2_path: Path) -> dict[str, tuple[Path, dict[st
             "hybrid drafts": (lfm2_model(cache, smollm2_path), {"n_ctx": 512, "n_seq_max": 2, "draft_tokens": 4}),
             "mtp": (mtp_model(cache, smollm2_path, agree=False), {"n_ctx": 1024, "n_seq_max": 2, "mtp": True}),
             "hybrid mtp": (qwen35_mtp_model(cache, smollm2_path, agree=False), {"n_ctx": 512, "n_seq_max": 2, "mtp": True}),
-            "hybrid moe mtp": (qwen35_mtp_model(cache, smollm2_path, agree=False, moe=True),
+            "hybrid moe mtp": (qwen35_mtp_model(cache, smollm2_path, agree=False, arch="qwen35moe"),
                                {"n_ctx": 512, "n_seq_max": 2, "mtp": True}),
             "nemotron mtp": (nemotron_mtp_model(cache, smollm2_path, agree=False),
                              {"n_ctx": 512, "n_seq_max": 2, "mtp": True})}
