@@ -30,6 +30,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from aiollama.config import EngineConfig
 from aiollama.core.commands import Admission, Command, Portal
@@ -68,7 +69,8 @@ class EngineCore:
         self.outbox = Outbox()
         self.generations = Generations(admission, self.outbox, executor.n_ctx)
         self.prefilling: frozenset[int] = frozenset()  # a cancel of these aborts the running decode
-        self.statistics = Statistics()
+        self._published: tuple[Any, ...] = ()  # the numbers of the last step (see publish)
+        self._built: tuple[tuple[Any, ...], Statistics] | None = None
         self._counters = _Counters()
         self._step_counts = [0] * (len(STEP_BUCKETS) + 1)
         self._no_slot_streak = 0
@@ -252,14 +254,29 @@ class EngineCore:
             c.tokens_evaluated += sum(max(0, n_cached.get(s.conv, s.pos) - s.pos) for s in plan.slices)
 
     def publish(self) -> None:
+        """Replace the numbers that :attr:`statistics` shows: plain immutable values, taken here on
+        the decode thread after every step; the ``Statistics`` is built from them when it is read."""
         c = self._counters
-        self.statistics = Statistics(
-            **vars(self.scheduler.statistics()), tokens_evaluated=c.tokens_evaluated,
-            tokens_generated=c.tokens_generated, decode_steps=c.decode_steps, aborted_steps=c.aborted_steps,
-            discarded_tokens=c.discarded_tokens,
-            decode_seconds=c.decode_seconds, step_seconds=c.step_seconds, step_histogram=tuple(self._step_counts),
-            weights_device=self.executor.placement, kv_device=self.executor.placement,
-            disk_entries=self.disk.n_entries if self.disk else 0, disk_bytes=self.disk.n_bytes if self.disk else 0)
+        self._published = (
+            self.scheduler.statistics(), c.tokens_evaluated, c.tokens_generated, c.decode_steps, c.aborted_steps,
+            c.discarded_tokens, c.decode_seconds, c.step_seconds, tuple(self._step_counts),
+            self.disk.n_entries if self.disk else 0, self.disk.n_bytes if self.disk else 0)
+
+    @property
+    def statistics(self) -> Statistics:
+        """The engine's numbers as the last step published them (safe from any thread: a step
+        replaces its numbers whole; reading them builds the snapshot once)."""
+        published, built = self._published, self._built
+        if built is not None and built[0] is published:
+            return built[1]
+        sched, evaluated, generated, steps, aborted, discarded, decode_s, step_s, histogram, entries, size = published
+        stats = Statistics(
+            **vars(sched), tokens_evaluated=evaluated, tokens_generated=generated, decode_steps=steps,
+            aborted_steps=aborted, discarded_tokens=discarded, decode_seconds=decode_s, step_seconds=step_s,
+            step_histogram=histogram, weights_device=self.executor.placement, kv_device=self.executor.placement,
+            disk_entries=entries, disk_bytes=size)
+        self._built = (published, stats)
+        return stats
 
     def close(self) -> None:
         """The engine stops: the copies for disk that the last closes asked for are made, and the

@@ -15,10 +15,10 @@ so a conversation's commands keep their order.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -145,7 +145,7 @@ class Generations:
             self._scored(conv, rows)
         if self._progress:
             self._report(histories)
-        left = collections.Counter(sampled.conv for sampled in result.sampled)
+        left = _counts(result.sampled)
         now = time.perf_counter()
         for sampled in result.sampled:
             conv = sampled.conv
@@ -169,7 +169,7 @@ class Generations:
         """The conversations that ``result`` ends whatever their text says: an end of generation
         that counts, a complete constraint, ``max_tokens`` reached, or a row that gave no token (a
         logits processor raised). (A stop string is only known once the text is read.)"""
-        counts = collections.Counter(sampled.conv for sampled in result.sampled)
+        counts = _counts(result.sampled)
         ending = set(result.failed)
         for sampled in result.sampled:
             gen = self._gens.get(sampled.conv)
@@ -253,3 +253,11 @@ class Generations:
     def of_portal(self, portal: Portal) -> list[int]:
         """The generations whose stream lives behind ``portal``."""
         return [conv for conv, gen in self._gens.items() if gen.sink.portal is portal]
+
+
+def _counts(sampled: Iterable[Sampled]) -> dict[int, int]:
+    """How many of a step's tokens each conversation has (a plain dict: this runs every step)."""
+    counts: dict[int, int] = {}
+    for x in sampled:
+        counts[x.conv] = counts.get(x.conv, 0) + 1
+    return counts
