@@ -34,7 +34,7 @@ from aiollama.server.llama_shape import (
 from aiollama.server.native_request import Native, llama_fields
 from aiollama.server.neutral_request import ChatRequest, message_text
 from aiollama.server.openai_request import completion_request
-from aiollama.server.opening import event_stream, open_route, while_connected
+from aiollama.server.opening import data_event, event_stream, open_route, while_connected
 from aiollama.server.shape import ChatChoice, TextChoice, prompt_logprobs
 from aiollama.server.state import (
     State,
@@ -334,7 +334,7 @@ async def _events(job: _Job, state: State, req: ChatRequest) -> AsyncIterator[st
             payload.setdefault("usage", None)
         if req.obfuscate:  # padding that hides the length of what a chunk carries
             payload["obfuscation"] = secrets.token_urlsafe(random.randint(1, 24))[:random.randint(1, 32)]
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return data_event(payload)
 
     completion_tokens = 0
     # the scored prompt goes out with each choice's first event (once, beside the choices, for chat)

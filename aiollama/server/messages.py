@@ -24,7 +24,7 @@ from aiollama.formats.toolcalls import ToolCall
 from aiollama.server.images import read_images
 from aiollama.server.messages_request import MessagesRequest, messages_request
 from aiollama.server.neutral_request import message_text
-from aiollama.server.opening import event_stream, open_route, while_connected
+from aiollama.server.opening import event_stream, json_text, open_route, while_connected
 from aiollama.server.state import (
     CHAT_DEFAULTS,
     State,
@@ -154,7 +154,7 @@ def _start(state: State, req: MessagesRequest) -> Reply:
 
 
 def _event(kind: str, **fields: Any) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+    return f"event: {kind}\ndata: {json_text({'type': kind, **fields})}\n\n"
 
 
 async def _events(reply: Reply, release: Callable[[], None]) -> AsyncIterator[str]:

@@ -6,7 +6,6 @@ of them forks sharing its cells); the prefix cache is every slot's, so ``id_slot
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,7 +44,7 @@ from aiollama.server.native_request import (
 )
 from aiollama.server.neutral_request import json_object
 from aiollama.server.openai_request import MAX_PROMPTS
-from aiollama.server.opening import event_stream, while_connected
+from aiollama.server.opening import data_event, event_stream, while_connected
 from aiollama.server.state import State, lora_names, serving_engine, translate
 
 
@@ -224,7 +223,7 @@ class _Answer:
         native = self.native
 
         def event(payload: dict[str, Any]) -> str:
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+            return data_event(payload)
 
         try:
             async with stream_items([t.stream for t in self.tasks], self.started, self.state) as items:

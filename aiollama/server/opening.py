@@ -4,6 +4,7 @@ then either server-sent events or a whole answer that a client going away cancel
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -15,6 +16,15 @@ from aiollama.server.images import read_images
 from aiollama.server.state import State, serving_engine
 
 T = TypeVar("T")
+
+# One encoder for every event (json.dumps with an option makes one per call): the text as it is,
+# not escaped to ASCII
+json_text = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def data_event(payload: Any) -> str:
+    """A server-sent event of ``payload`` as JSON."""
+    return f"data: {json_text(payload)}\n\n"
 
 
 async def open_route(state: State, request: HttpRequest, messages: list[dict[str, Any]] | None,
