@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import ExpertGatingFuncType, GGUFWriter
 from tiny_model import add_fields, cached, copy_tokenizer, finish
 
 ARCH = "glm4moe"
@@ -326,8 +326,115 @@ def nemotron_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> P
     return cached(cache / name, lambda p: write_nemotron_mtp_model(p, tokenizer_source, agree=agree))
 
 
+BAILINGMOE3 = "bailingmoe3"
+
+
+def write_bailing_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: int = 64, n_head: int = 4,
+                            layers: str = "ka", head_dim: int = 16, d_conv: int = 4, kv_lora_rank: int = 32,
+                            n_rot: int = 8, qk_nope: int = 16, v_head_dim: int = 16, n_ff_exp: int = 32,
+                            n_expert: int = 4) -> Path:
+    """A tiny Bailing-MoE 3 (hybrid: Kimi delta attention layers "k", a recurrent state each with
+    short convolutions of their queries, keys and values, beside multi-head latent attention layers
+    "a", every feed-forward a mixture of experts with a shared one) with one MTP block after them (a
+    latent attention and a mixture of experts, then an RMS norm before the model's output), in
+    llama.cpp's layout; ``agree`` as above. A layer is recurrent where it has no key-value head."""
+    fields = copy_tokenizer(tokenizer_source)
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
+    arch, d_inner = BAILINGMOE3, head_dim * n_head
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), arch)
+    writer.add_name("aiollama tiny hybrid MTP test model")
+    writer.add_block_count(len(layers) + 1)
+    writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff_exp)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv([1 if kind == "a" else 0 for kind in layers] + [1])  # one latent key-value head
+    writer.add_key_length(kv_lora_rank + n_rot)  # the cache holds the latent and the rotated part
+    writer.add_value_length(kv_lora_rank)
+    writer.add_uint32(f"{arch}.attention.key_length_mla", qk_nope + n_rot)
+    writer.add_uint32(f"{arch}.attention.value_length_mla", v_head_dim)
+    writer.add_uint32(f"{arch}.attention.kv_lora_rank", kv_lora_rank)
+    writer.add_rope_dimension_count(n_rot)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_uint32(f"{arch}.kda.head_dim", head_dim)
+    writer.add_float32(f"{arch}.kda.gate_lower_bound", -5.0)
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(2)
+    writer.add_expert_feed_forward_length(n_ff_exp)
+    writer.add_expert_shared_feed_forward_length(n_ff_exp)
+    writer.add_expert_shared_count(1)
+    writer.add_leading_dense_block_count(0)
+    writer.add_expert_weights_norm(True)
+    writer.add_expert_weights_scale(1.0)
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    writer.add_layer_norm_rms_eps(1e-6)
+    add_ssm_and_vocab(writer, arch, fields, n_vocab, conv_kernel=d_conv)
+    weight = weights(31 if agree else 37, agree)
+    ones = np.ones(n_embd, dtype=np.float32)
+
+    def latent_attention(p: str) -> None:
+        writer.add_tensor(p + "attn_q.weight", weight(n_head * (qk_nope + n_rot), n_embd))
+        writer.add_tensor(p + "attn_kv_a_mqa.weight", weight(kv_lora_rank + n_rot, n_embd))
+        writer.add_tensor(p + "attn_kv_a_norm.weight", np.ones(kv_lora_rank, dtype=np.float32))
+        writer.add_tensor(p + "attn_k_b.weight", weight(n_head, kv_lora_rank, qk_nope))
+        writer.add_tensor(p + "attn_v_b.weight", weight(n_head, v_head_dim, kv_lora_rank))
+        writer.add_tensor(p + "attn_gate.weight", weight(n_head, n_embd))
+        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * v_head_dim, out=True))
+
+    def experts(p: str) -> None:
+        writer.add_tensor(p + "ffn_norm.weight", ones)
+        writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
+        writer.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
+        writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
+        writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
+
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    for i, kind in enumerate(layers):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones)
+        if kind == "k":
+            for x in "qkv":
+                writer.add_tensor(p + f"attn_{x}.weight", weight(d_inner, n_embd))
+                writer.add_tensor(p + f"ssm_conv1d_{x}.weight", weight(d_inner, 1, d_conv, scale=0.5))
+            writer.add_tensor(p + "ssm_f_a.weight", weight(d_inner, n_embd))
+            writer.add_tensor(p + "ssm_beta.weight", weight(n_head, n_embd))
+            writer.add_tensor(p + "ssm_a", -np.ones((n_head, 1), dtype=np.float32))
+            writer.add_tensor(p + "ssm_dt.bias", np.zeros(d_inner, dtype=np.float32))
+            writer.add_tensor(p + "ssm_g_a.weight", weight(d_inner, n_embd))
+            writer.add_tensor(p + "ssm_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(p + "attn_output.weight", weight(n_embd, d_inner, out=True))
+        else:
+            latent_attention(p)
+        experts(p)
+    p = f"blk.{len(layers)}."
+    add_nextn(writer, p, n_embd, weight, agree)
+    writer.add_tensor(p + "layer_output_norm.weight", ones)
+    writer.add_tensor(p + "attn_norm.weight", ones)
+    latent_attention(p)
+    experts(p)
+    finish(writer, tmp, path)
+    return path
+
+
+def bailing_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
+    """The cached tiny Bailing-MoE 3 with an MTP block, written on first use."""
+    name = f"tiny-{BAILINGMOE3}-mtp-v1-{'agree' if agree else 'random'}.gguf"
+    return cached(cache / name, lambda p: write_bailing_mtp_model(p, tokenizer_source, agree=agree))
+
+
 def hybrid_mtp_model(cache: Path, tokenizer_source: Path, arch: str, *, agree: bool) -> Path:
-    """The cached tiny hybrid MTP model of ``arch`` (qwen35, qwen35moe, qwen3next or nemotron_h_moe)."""
+    """The cached tiny hybrid MTP model of ``arch`` (qwen35, qwen35moe, qwen3next, nemotron_h_moe or
+    bailingmoe3)."""
     if arch == NEMOTRON_H_MOE:
         return nemotron_mtp_model(cache, tokenizer_source, agree=agree)
+    if arch == BAILINGMOE3:
+        return bailing_mtp_model(cache, tokenizer_source, agree=agree)
     return qwen35_mtp_model(cache, tokenizer_source, agree=agree, arch=arch)

@@ -1,11 +1,12 @@
 """Speculation on a hybrid model (the tiny LFM2: short convolutions beside attention; a tiny
 Qwen3.5 with an MTP block, and its MoE variant: gated delta nets beside attention; a tiny
-Nemotron-H MoE with one: Mamba-2 layers beside attention), whose recurrent state drops a rejected
-draft by rolling back within its last decode (llama.cpp's snapshots, ``aiollama.runner.removal``):
-greedy text identical to no drafts, with n-gram drafts, a draft model and MTP drafts, across
-streams, forks and new turns; a model whose state llama.cpp cannot roll back refuses drafts, a
-request drafting more than the snapshots hold is refused, and MTP is refused where llama.cpp does
-not run it or cannot roll the state back (a tiny Qwen3-Next)."""
+Nemotron-H MoE with one: Mamba-2 layers beside attention; a tiny Bailing-MoE 3 with one: Kimi
+delta attention beside latent attention), whose recurrent state drops a rejected draft by rolling
+back within its last decode (llama.cpp's snapshots, ``aiollama.runner.removal``): greedy text
+identical to no drafts, with n-gram drafts, a draft model and MTP drafts, across streams, forks and
+new turns; a model whose state llama.cpp cannot roll back refuses drafts, a request drafting more
+than the snapshots hold is refused, and MTP is refused where llama.cpp does not run it or cannot
+roll the state back (a tiny Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -122,11 +123,12 @@ async def test_a_draft_model_on_a_hybrid_model_gives_the_text_without_it(lfm2: P
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
-@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "nemotron_h_moe"])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "nemotron_h_moe", "bailingmoe3"])
 async def test_mtp_drafts_on_a_hybrid_model_give_the_text_without_them(smollm2_path: Path, arch: str,
                                                                        overlap: bool) -> None:
-    """Qwen3.5's layout, Qwen3.5-MoE's (experts in every layer and in the MTP block) and
-    Nemotron-H MoE's (Mamba-2 layers; a head of its own kind): llama.cpp runs the MTP block in a
+    """Qwen3.5's layout, Qwen3.5-MoE's (experts in every layer and in the MTP block), Nemotron-H
+    MoE's (Mamba-2 layers; a head of its own kind) and Bailing-MoE 3's (Kimi delta attention beside
+    latent attention): llama.cpp runs the MTP block in a
     context of its own with an attention cache only, the target's recurrent state rolls back what
     the head guessed wrong."""
     unbiased = {**GREEDY, "logit_bias": {}}
@@ -159,7 +161,7 @@ async def test_mtp_on_qwen3_next_is_refused_where_llama_cpp_cannot_roll_its_stat
     assert stats.drafted_tokens == 0
 
 
-@pytest.mark.parametrize("drafts", ["n-gram", "mtp", "mtp-nemotron"])
+@pytest.mark.parametrize("drafts", ["n-gram", "mtp", "mtp-nemotron", "mtp-bailing"])
 async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives(drafts: str, smollm2_path: Path,
                                                                                  request: pytest.FixtureRequest) -> None:
     """A fork or a new turn copies (or shares) the state a drafted step left, rollback and all:
@@ -172,7 +174,8 @@ async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives
         cases = [(PROMPTS[0], {**GREEDY, "max_tokens": n}) for n in range(6, 30, 2)]
     else:
         model = request.getfixturevalue("qwen35_random") if drafts == "mtp" else \
-            hybrid_mtp_model(aiollama.cache_dir() / "test-models", smollm2_path, "nemotron_h_moe", agree=False)
+            hybrid_mtp_model(aiollama.cache_dir() / "test-models", smollm2_path,
+                             "nemotron_h_moe" if drafts == "mtp-nemotron" else "bailingmoe3", agree=False)
         options = {"mtp": True}
         ending, cases = {**GREEDY, "ignore_eos": False, "logit_bias": {END: 35.0}}, []
     cases += [([*PROMPTS[0], 100 + i], ending) for i in range(12)]
