@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter
@@ -48,6 +49,20 @@ def add_nextn(writer: GGUFWriter, p: str, n_embd: int, weight: Callable[..., np.
     if agree:
         eh = np.hstack([np.eye(n_embd, dtype=np.float32), np.zeros((n_embd, n_embd), dtype=np.float32)])
     writer.add_tensor(p + "nextn.eh_proj.weight", eh)
+
+
+def add_experts(writer: GGUFWriter, p: str, weight: Callable[..., np.ndarray], n_embd: int, n_expert: int,
+                n_ff_exp: int) -> None:
+    """A mixture of ``n_expert`` experts with a bias on their selection, beside a gated shared
+    expert (GLM-4.5's and Bailing-MoE 3's feed-forward)."""
+    writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
+    writer.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
+    writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+    writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+    writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
+    writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
+    writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
+    writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
 
 
 def write_mtp_model(path: Path, tokenizer_source: Path | None, *, agree: bool, tokenizer: dict[str, object] | None = None,
@@ -99,14 +114,7 @@ def write_mtp_model(path: Path, tokenizer_source: Path | None, *, agree: bool, t
             writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
             writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
             continue
-        writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
-        writer.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
-        writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
-        writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
+        add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
         add_nextn(writer, p, n_embd, weight, agree)
     finish(writer, tmp, path)
     return path
@@ -121,6 +129,19 @@ def mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
 QWEN35 = "qwen35"
 QWEN35MOE = "qwen35moe"
 QWEN3NEXT = "qwen3next"
+
+
+def open_hybrid(path: Path, tokenizer_source: Path, arch: str, n_trunk: int) -> tuple[GGUFWriter, Path, dict[str, Any], int]:
+    """A writer of a tiny hybrid MTP model of ``arch`` (into a temporary file beside ``path``): its
+    name, ``n_trunk`` layers and one MTP block; with the tokenizer's fields and its size."""
+    fields = copy_tokenizer(tokenizer_source)
+    n_vocab = len(fields["tokenizer.ggml.tokens"].data)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), arch)
+    writer.add_name("aiollama tiny hybrid MTP test model")
+    writer.add_block_count(n_trunk + 1)
+    writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    return writer, tmp, fields, n_vocab
 
 
 def add_ssm_and_vocab(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab: int, **ssm: int) -> None:
@@ -146,15 +167,9 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
     if arch not in (QWEN35, QWEN35MOE, QWEN3NEXT):
         raise ValueError(f"not a Qwen hybrid: {arch}")
     moe = arch != QWEN35
-    fields = copy_tokenizer(tokenizer_source)
-    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
     head_dim = n_embd // n_head
     key_dim, value_dim = d_state * n_k_heads, d_state * n_v_heads
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    writer = GGUFWriter(str(tmp), arch)
-    writer.add_name("aiollama tiny hybrid MTP test model")
-    writer.add_block_count(len(layers) + 1)
-    writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, len(layers))
     writer.add_array(f"{arch}.attention.recurrent_layers", [kind == "g" for kind in layers] + [False])
     writer.add_context_length(4096)
     writer.add_embedding_length(n_embd)
@@ -227,10 +242,14 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
     return path
 
 
+def cached_mtp(cache: Path, arch: str, agree: bool, write: Callable[[Path], Path]) -> Path:
+    """The cached tiny MTP model of ``arch`` (``agree``: its head's), ``write`` on first use."""
+    return cached(cache / f"tiny-{arch}-mtp-v1-{'agree' if agree else 'random'}.gguf", write)
+
+
 def qwen35_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool, arch: str = QWEN35) -> Path:
     """The cached tiny Qwen hybrid MTP model of ``arch``, written on first use."""
-    name = f"tiny-{arch}-mtp-v1-{'agree' if agree else 'random'}.gguf"
-    return cached(cache / name, lambda p: write_qwen35_mtp_model(p, tokenizer_source, agree=agree, arch=arch))
+    return cached_mtp(cache, arch, agree, lambda p: write_qwen35_mtp_model(p, tokenizer_source, agree=agree, arch=arch))
 
 
 NEMOTRON_H_MOE = "nemotron_h_moe"
@@ -244,15 +263,9 @@ def write_nemotron_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
     attention and a mixture of experts sub-layer, then a layer norm before the model's output), in
     llama.cpp's layout; ``agree`` as above (the embeddings' rows have a mean of zero, so that the
     head's layer norm and the model's RMS norm give one direction)."""
-    fields = copy_tokenizer(tokenizer_source)
-    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
     arch, head_dim, d_inner = NEMOTRON_H_MOE, n_embd // n_head, n_embd
     conv_dim = d_inner + 2 * n_group * d_state
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    writer = GGUFWriter(str(tmp), arch)
-    writer.add_name("aiollama tiny hybrid MTP test model")
-    writer.add_block_count(len(layers) + 1)
-    writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, len(layers))
     writer.add_context_length(4096)
     writer.add_embedding_length(n_embd)
     # a layer is recurrent where it has neither key-value heads nor a feed-forward
@@ -322,8 +335,7 @@ def write_nemotron_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
 
 def nemotron_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
     """The cached tiny Nemotron-H MoE with an MTP block, written on first use."""
-    name = f"tiny-{NEMOTRON_H_MOE}-mtp-v1-{'agree' if agree else 'random'}.gguf"
-    return cached(cache / name, lambda p: write_nemotron_mtp_model(p, tokenizer_source, agree=agree))
+    return cached_mtp(cache, NEMOTRON_H_MOE, agree, lambda p: write_nemotron_mtp_model(p, tokenizer_source, agree=agree))
 
 
 BAILINGMOE3 = "bailingmoe3"
@@ -338,14 +350,8 @@ def write_bailing_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, 
     "a", every feed-forward a mixture of experts with a shared one) with one MTP block after them (a
     latent attention and a mixture of experts, then an RMS norm before the model's output), in
     llama.cpp's layout; ``agree`` as above. A layer is recurrent where it has no key-value head."""
-    fields = copy_tokenizer(tokenizer_source)
-    n_vocab = len(fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
     arch, d_inner = BAILINGMOE3, head_dim * n_head
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    writer = GGUFWriter(str(tmp), arch)
-    writer.add_name("aiollama tiny hybrid MTP test model")
-    writer.add_block_count(len(layers) + 1)
-    writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, len(layers))
     writer.add_context_length(4096)
     writer.add_embedding_length(n_embd)
     writer.add_feed_forward_length(n_ff_exp)
@@ -385,14 +391,7 @@ def write_bailing_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, 
 
     def experts(p: str) -> None:
         writer.add_tensor(p + "ffn_norm.weight", ones)
-        writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
-        writer.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
-        writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
-        writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
+        add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
 
     writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
     writer.add_tensor("output_norm.weight", ones)
@@ -426,8 +425,7 @@ def write_bailing_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, 
 
 def bailing_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
     """The cached tiny Bailing-MoE 3 with an MTP block, written on first use."""
-    name = f"tiny-{BAILINGMOE3}-mtp-v1-{'agree' if agree else 'random'}.gguf"
-    return cached(cache / name, lambda p: write_bailing_mtp_model(p, tokenizer_source, agree=agree))
+    return cached_mtp(cache, BAILINGMOE3, agree, lambda p: write_bailing_mtp_model(p, tokenizer_source, agree=agree))
 
 
 def hybrid_mtp_model(cache: Path, tokenizer_source: Path, arch: str, *, agree: bool) -> Path:
