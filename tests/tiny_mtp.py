@@ -131,14 +131,16 @@ QWEN35MOE = "qwen35moe"
 QWEN3NEXT = "qwen3next"
 
 
-def open_hybrid(path: Path, tokenizer_source: Path, arch: str, n_trunk: int) -> tuple[GGUFWriter, Path, dict[str, Any], int]:
-    """A writer of a tiny hybrid MTP model of ``arch`` (into a temporary file beside ``path``): its
-    name, ``n_trunk`` layers and one MTP block; with the tokenizer's fields and its size."""
+def open_hybrid(path: Path, tokenizer_source: Path, arch: str, n_trunk: int,
+                kind: str = "hybrid") -> tuple[GGUFWriter, Path, dict[str, Any], int]:
+    """A writer of a tiny MTP model of ``arch`` (a hybrid, or another ``kind``; into a temporary
+    file beside ``path``): its name, ``n_trunk`` layers and one MTP block; with the tokenizer's
+    fields and its size."""
     fields = copy_tokenizer(tokenizer_source)
     n_vocab = len(fields["tokenizer.ggml.tokens"].data)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     writer = GGUFWriter(str(tmp), arch)
-    writer.add_name("aiollama tiny hybrid MTP test model")
+    writer.add_name(f"aiollama tiny {kind} MTP test model")
     writer.add_block_count(n_trunk + 1)
     writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
     return writer, tmp, fields, n_vocab

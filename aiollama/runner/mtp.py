@@ -40,6 +40,12 @@ from aiollama.sched.step import Copy, Op, Remove, Restore, Shift, Slice
 # keeps snapshots for the architecture (not Qwen3-Next's at the pinned tag: check_rollback refuses it).
 MTP_HYBRIDS = frozenset({"qwen3next", "qwen35", "qwen35moe", "qwen4exp", "bailingmoe3", "nemotron_h_moe"})
 
+# The architectures whose MTP graph keeps the hidden states of the entries with logits only, whatever
+# the context asks (llama.cpp at the pinned tag): there every entry asks for logits, so that every
+# entry's state is kept (reading them all from a graph that kept fewer reads past its end, and
+# llama.cpp aborts the process). The cost: the output projection for the queued entries too.
+STATES_WITH_LOGITS = frozenset({"step35", "mimo2", "deepseek4", "qwen3next"})
+
 # A sequence's entries wait to be decoded until it drafts (with its first draft entry, in one
 # decode), or until this many wait: a stream that does not draft costs a copy of its states only.
 QUEUE_ROWS = 256
@@ -99,6 +105,7 @@ class MtpDrafter:
         output_hidden(self.ctx, masked=False)
         self.width = n_embd_out(self.ctx)
         self.vocab = model.vocab
+        self._every_row = model.metadata("general.architecture") in STATES_WITH_LOGITS
         self._seqs: dict[int, _Entries] = {}
         self.resets = 0
 
@@ -195,7 +202,8 @@ class MtpDrafter:
         for i in range(0, len(entries), room):
             chunk = entries[i:i + room]
             status = self.batch.process([x[0] for x in chunk], [x[1] for x in chunk], [x[2] for x in chunk],
-                                        np.stack([x[3] for x in chunk]), [x[4] is not None for x in chunk])
+                                        np.stack([x[3] for x in chunk]),
+                                        [self._every_row or x[4] is not None for x in chunk])
             if status is not DecodeStatus.OK:
                 raise _Full
             for j, x in enumerate(chunk):

@@ -1,5 +1,7 @@
-"""Speculation with the model's own multi-token-prediction (MTP) layers, on tiny models in GLM-4.5's
-layout (tests/tiny_mtp.py): greedy and seeded text the same as without drafts, through forks,
+"""Speculation with the model's own multi-token-prediction (MTP) layers, on tiny transformers in the
+layouts of GLM-4.5 (tests/tiny_mtp.py), DeepSeek V3 and V3.2 (latent attention; V3.2's sparse, its
+indexer picking the cells a token attends to) and Step 3.5 (sliding-window layers beside full ones;
+tests/tiny_mtp_families.py): greedy and seeded text the same as without drafts, through forks,
 rewinds, preemption and overlapped steps; a head that agrees with the model has every draft taken;
 the MTP context holds what it would hold had it read the whole history at once; typed errors for
 settings that cannot work."""
@@ -15,6 +17,7 @@ import pytest
 from helpers import gather
 from tiny_model import bert_model
 from tiny_mtp import mtp_model
+from tiny_mtp_families import DEEPSEEK2, DEEPSEEK32, STEP35, family_mtp_model
 
 import aiollama
 from aiollama import Engine, EngineConfig, InvalidRequestError, UnsupportedModel
@@ -26,14 +29,24 @@ GREEDY: dict[str, Any] = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = ["Once upon a time", "The capital of France is", "def fib(n):", "Hello " * 30]
 
 
-@pytest.fixture(scope="module")
-def agreeing(smollm2_path: Path) -> Path:
-    return mtp_model(aiollama.cache_dir() / "test-models", smollm2_path, agree=True)
+FAMILIES = ["glm4moe", DEEPSEEK2, DEEPSEEK32, STEP35]
 
 
-@pytest.fixture(scope="module")
-def random_head(smollm2_path: Path) -> Path:
-    return mtp_model(aiollama.cache_dir() / "test-models", smollm2_path, agree=False)
+def family_model(smollm2_path: Path, arch: str, agree: bool) -> Path:
+    cache = aiollama.cache_dir() / "test-models"
+    if arch == "glm4moe":
+        return mtp_model(cache, smollm2_path, agree=agree)
+    return family_mtp_model(cache, smollm2_path, arch, agree=agree)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def agreeing(smollm2_path: Path, request: pytest.FixtureRequest) -> Path:
+    return family_model(smollm2_path, request.param, True)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def random_head(smollm2_path: Path, request: pytest.FixtureRequest) -> Path:
+    return family_model(smollm2_path, request.param, False)
 
 
 async def streams(model: Path, mtp: bool, *, n_ctx: int = 4096, prompts: Sequence[str] = PROMPTS,
@@ -62,17 +75,27 @@ async def test_a_random_head_changes_nothing(random_head: Path) -> None:
     assert sum(s.accepted for s in stats) < sum(s.drafted for s in stats)
 
 
+# the caches the deterministic mode cannot keep in position order (it refuses them): the sparse
+# attention's indexer cache, and the sliding window's, which reuses a sequence's old cells
+UNORDERED = (DEEPSEEK32, STEP35)
+
+
 @pytest.mark.anyio
-@pytest.mark.parametrize("head", ["agreeing", "random_head"])
-async def test_preempted_and_overlapped_streams_are_the_same(head: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(("arch", "agree"), [(arch, agree) for arch in FAMILIES for agree in (True, False)
+                                             if agree or arch not in UNORDERED],
+                         ids=lambda x: x if isinstance(x, str) else "agreeing" if x else "random_head")
+async def test_preempted_and_overlapped_streams_are_the_same(arch: str, agree: bool, smollm2_path: Path) -> None:
     """Eight streams in a cache that holds about four: streams are preempted and resumed (their MTP
     entries removed and fed again), and the steps overlap. In the deterministic mode: otherwise a
     resumed stream's cells land elsewhere, the rounding of its logits changes, and a near tie of
-    the random model may fall the other way (seen: log-probabilities -1.110 and -1.122)."""
-    model = request.getfixturevalue(head)
+    the random model may fall the other way (seen: log-probabilities -1.110 and -1.122). Where the
+    mode refuses the cache, the agreeing head only, whose text the rounding does not change (its
+    layers add nothing to the residual stream)."""
+    model = family_model(smollm2_path, arch, agree)
     prompts = [f"Story number {i}: once upon a time" for i in range(8)]
-    plain, _, _ = await streams(model, False, n_ctx=256, prompts=prompts, deterministic=True)
-    drafted, _, stats = await streams(model, True, n_ctx=256, prompts=prompts, deterministic=True, overlap=True)
+    ordered = arch not in UNORDERED
+    plain, _, _ = await streams(model, False, n_ctx=256, prompts=prompts, deterministic=ordered)
+    drafted, _, stats = await streams(model, True, n_ctx=256, prompts=prompts, deterministic=ordered, overlap=True)
     assert drafted == plain
     assert sum(s.drafted for s in stats) > 0
 

@@ -1,0 +1,165 @@
+"""Tiny transformer models with an MTP block in the layouts of two more families llama.cpp runs MTP
+for, beside GLM-4.5's (tests/tiny_mtp.py), with SmolLM2's vocabulary:
+
+- DeepSeek V3 (``deepseek2``) and V3.2 (``deepseek32``): multi-head latent attention (queries and
+  keys-values through low-rank projections; the cache holds the latent), a dense first layer,
+  then a mixture of experts with a shared one; V3.2 adds the sparse attention's indexer, which
+  picks the ``top_k`` cells each token attends to (a cache of its own beside the latent one);
+- Step 3.5 (``step35``): sliding-window layers beside full-attention ones (two caches, the window's
+  dropping what falls behind it), a per-head attention gate, and a mixture of experts.
+
+``agree`` as in tests/tiny_mtp.py: a head that predicts exactly what the model predicts, or a
+random one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import ExpertGatingFuncType, GGUFWriter
+from tiny_model import add_fields, finish
+from tiny_mtp import add_experts, add_nextn, cached_mtp, open_hybrid, weights
+
+DEEPSEEK2 = "deepseek2"
+DEEPSEEK32 = "deepseek32"
+STEP35 = "step35"
+
+
+def add_shape(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab: int, *, n_embd: int, n_head: int,
+              n_expert: int, n_ff: int, n_ff_exp: int) -> None:
+    """What every one of these models says of its shape, its experts and its vocabulary."""
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(2)
+    writer.add_expert_feed_forward_length(n_ff_exp)
+    writer.add_expert_shared_count(1)
+    writer.add_expert_weights_norm(True)
+    writer.add_expert_weights_scale(1.0)
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(0)  # all F32
+    add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+
+
+def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, arch: str = DEEPSEEK32,
+                             n_embd: int = 64, n_head: int = 4, q_lora_rank: int = 32, kv_lora_rank: int = 32,
+                             n_rot: int = 8, qk_nope: int = 16, v_head_dim: int = 16, n_ff: int = 128,
+                             n_ff_exp: int = 32, n_expert: int = 4, n_trunk: int = 2, indexer_heads: int = 8,
+                             indexer_dim: int = 64, indexer_top_k: int = 16) -> Path:
+    """A tiny DeepSeek V3 (``deepseek2``) or V3.2 (``deepseek32``, with the sparse attention's
+    indexer: a token attends to ``indexer_top_k`` cells at most) with one MTP block (latent
+    attention, a mixture of experts, and a norm of its own before the model's output)."""
+    if arch not in (DEEPSEEK2, DEEPSEEK32):
+        raise ValueError(f"not a DeepSeek layout: {arch}")
+    writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, n_trunk, "transformer")
+    writer.add_head_count_kv(1)  # one latent key-value head
+    writer.add_key_length(kv_lora_rank + n_rot)  # the cache holds the latent and the rotated part
+    writer.add_value_length(kv_lora_rank)
+    writer.add_uint32(f"{arch}.attention.key_length_mla", qk_nope + n_rot)
+    writer.add_uint32(f"{arch}.attention.value_length_mla", v_head_dim)
+    writer.add_uint32(f"{arch}.attention.q_lora_rank", q_lora_rank)
+    writer.add_uint32(f"{arch}.attention.kv_lora_rank", kv_lora_rank)
+    writer.add_rope_dimension_count(n_rot)
+    writer.add_leading_dense_block_count(1)
+    if arch == DEEPSEEK32:
+        writer.add_uint32(f"{arch}.attention.indexer.head_count", indexer_heads)
+        writer.add_uint32(f"{arch}.attention.indexer.key_length", indexer_dim)
+        writer.add_uint32(f"{arch}.attention.indexer.top_k", indexer_top_k)
+    add_shape(writer, arch, fields, n_vocab, n_embd=n_embd, n_head=n_head, n_expert=n_expert, n_ff=n_ff,
+              n_ff_exp=n_ff_exp)
+    weight = weights(41 if agree else 43, agree)
+    ones = np.ones(n_embd, dtype=np.float32)
+
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    for i in range(n_trunk + 1):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones)
+        writer.add_tensor(p + "attn_q_a.weight", weight(q_lora_rank, n_embd))
+        writer.add_tensor(p + "attn_q_a_norm.weight", np.ones(q_lora_rank, dtype=np.float32))
+        writer.add_tensor(p + "attn_q_b.weight", weight(n_head * (qk_nope + n_rot), q_lora_rank))
+        writer.add_tensor(p + "attn_kv_a_mqa.weight", weight(kv_lora_rank + n_rot, n_embd))
+        writer.add_tensor(p + "attn_kv_a_norm.weight", np.ones(kv_lora_rank, dtype=np.float32))
+        writer.add_tensor(p + "attn_k_b.weight", weight(n_head, kv_lora_rank, qk_nope))
+        writer.add_tensor(p + "attn_v_b.weight", weight(n_head, v_head_dim, kv_lora_rank))
+        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * v_head_dim, out=True))
+        if arch == DEEPSEEK32:
+            writer.add_tensor(p + "indexer.k_norm.weight", np.ones(indexer_dim, dtype=np.float32))
+            writer.add_tensor(p + "indexer.k_norm.bias", np.zeros(indexer_dim, dtype=np.float32))
+            writer.add_tensor(p + "indexer.proj.weight", weight(indexer_heads, n_embd))
+            writer.add_tensor(p + "indexer.attn_k.weight", weight(indexer_dim, n_embd))
+            writer.add_tensor(p + "indexer.attn_q_b.weight", weight(indexer_heads * indexer_dim, q_lora_rank))
+        writer.add_tensor(p + "ffn_norm.weight", ones)
+        if i == 0:  # the leading dense layer
+            writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
+            writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
+            writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
+        else:
+            add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
+    p = f"blk.{n_trunk}."
+    add_nextn(writer, p, n_embd, weight, agree)
+    writer.add_tensor(p + "nextn.shared_head_norm.weight", ones)
+    finish(writer, tmp, path)
+    return path
+
+
+def write_step35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: int = 64, n_head: int = 4,
+                           n_head_kv: int = 2, layers: str = "sf", window: int = 8, n_ff: int = 128,
+                           n_ff_exp: int = 32, n_expert: int = 4) -> Path:
+    """A tiny Step 3.5: sliding-window layers "s" (a window of ``window`` tokens) beside
+    full-attention ones "f" (whose rotation covers half of each head), queries and keys normed per
+    head, a gate per head on the attention's output; the first feed-forward dense, the others
+    mixtures of experts with a shared one; and one MTP block (full attention, experts, a norm of
+    its own)."""
+    arch, head_dim = STEP35, n_embd // n_head
+    writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, len(layers), "transformer")
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_sliding_window(window)
+    writer.add_array(f"{arch}.attention.sliding_window_pattern", [kind == "s" for kind in layers] + [False])
+    writer.add_expert_shared_feed_forward_length(n_ff_exp)
+    add_shape(writer, arch, fields, n_vocab, n_embd=n_embd, n_head=n_head, n_expert=n_expert, n_ff=n_ff,
+              n_ff_exp=n_ff_exp)
+    weight = weights(47 if agree else 53, agree)
+    ones = np.ones(n_embd, dtype=np.float32)
+
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    for i in range(len(layers) + 1):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones)
+        writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd))
+        writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+        writer.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+        writer.add_tensor(p + "attn_gate.weight", weight(n_head, n_embd))
+        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim, out=True))
+        writer.add_tensor(p + "ffn_norm.weight", ones)
+        if i == 0:
+            writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
+            writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
+            writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
+        else:
+            add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
+    p = f"blk.{len(layers)}."
+    add_nextn(writer, p, n_embd, weight, agree)
+    writer.add_tensor(p + "nextn.shared_head_norm.weight", ones)
+    finish(writer, tmp, path)
+    return path
+
+
+def family_mtp_model(cache: Path, tokenizer_source: Path, arch: str, *, agree: bool) -> Path:
+    """The cached tiny MTP model of ``arch`` (deepseek2, deepseek32 or step35), written on first use."""
+    if arch == STEP35:
+        return cached_mtp(cache, arch, agree, lambda p: write_step35_mtp_model(p, tokenizer_source, agree=agree))
+    return cached_mtp(cache, arch, agree,
+                      lambda p: write_deepseek_mtp_model(p, tokenizer_source, agree=agree, arch=arch))
