@@ -6,7 +6,8 @@ for, beside GLM-4.5's (tests/tiny_mtp.py), with SmolLM2's vocabulary:
   then a mixture of experts with a shared one; V3.2 adds the sparse attention's indexer, which
   picks the ``top_k`` cells each token attends to (a cache of its own beside the latent one);
 - Step 3.5 (``step35``): sliding-window layers beside full-attention ones (two caches, the window's
-  dropping what falls behind it), a per-head attention gate, and a mixture of experts.
+  dropping what falls behind it), a per-head attention gate, and a mixture of experts with a
+  shared one; MiMo-V2 (``mimo2``): the same windows, with attention sinks, and experts alone.
 
 ``agree`` as in tests/tiny_mtp.py: a head that predicts exactly what the model predicts, or a
 random one.
@@ -24,6 +25,7 @@ from tiny_mtp import add_experts, add_nextn, cached_mtp, open_hybrid, weights
 DEEPSEEK2 = "deepseek2"
 DEEPSEEK32 = "deepseek32"
 STEP35 = "step35"
+MIMO2 = "mimo2"
 
 
 def add_shape(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab: int, *, n_embd: int, n_head: int,
@@ -110,21 +112,26 @@ def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
     return path
 
 
-def write_step35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: int = 64, n_head: int = 4,
-                           n_head_kv: int = 2, layers: str = "sf", window: int = 8, n_ff: int = 128,
+def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, arch: str = STEP35, n_embd: int = 64,
+                           n_head: int = 4, n_head_kv: int = 2, layers: str = "sf", window: int = 8, n_ff: int = 128,
                            n_ff_exp: int = 32, n_expert: int = 4) -> Path:
-    """A tiny Step 3.5: sliding-window layers "s" (a window of ``window`` tokens) beside
-    full-attention ones "f" (whose rotation covers half of each head), queries and keys normed per
-    head, a gate per head on the attention's output; the first feed-forward dense, the others
-    mixtures of experts with a shared one; and one MTP block (full attention, experts, a norm of
-    its own)."""
-    arch, head_dim = STEP35, n_embd // n_head
+    """A tiny Step 3.5 (``step35``) or MiMo-V2 (``mimo2``): sliding-window layers "s" (a window of
+    ``window`` tokens) beside full-attention ones "f", the first feed-forward dense, the others
+    mixtures of experts, and one MTP block (full attention, experts (MiMo-V2's dense), a norm of
+    its own). Step 3.5's
+    queries and keys are normed per head and a gate per head scales the attention's output, its
+    experts have a shared one; MiMo-V2's queries, keys and values come from one projection, and its
+    attention has sinks."""
+    if arch not in (STEP35, MIMO2):
+        raise ValueError(f"not a sliding-window MTP layout: {arch}")
+    head_dim = n_embd // n_head
     writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, len(layers), "transformer")
     writer.add_head_count_kv(n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_sliding_window(window)
     writer.add_array(f"{arch}.attention.sliding_window_pattern", [kind == "s" for kind in layers] + [False])
-    writer.add_expert_shared_feed_forward_length(n_ff_exp)
+    if arch == STEP35:
+        writer.add_expert_shared_feed_forward_length(n_ff_exp)
     add_shape(writer, arch, fields, n_vocab, n_embd=n_embd, n_head=n_head, n_expert=n_expert, n_ff=n_ff,
               n_ff_exp=n_ff_exp)
     weight = weights(47 if agree else 53, agree)
@@ -136,20 +143,30 @@ def write_step35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n
     for i in range(len(layers) + 1):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", ones)
-        writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd))
-        writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
-        writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
-        writer.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
-        writer.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
-        writer.add_tensor(p + "attn_gate.weight", weight(n_head, n_embd))
+        if arch == STEP35:
+            writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd))
+            writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
+            writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
+            writer.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(p + "attn_gate.weight", weight(n_head, n_embd))
+        else:  # MiMo-V2's head takes the queries, keys and values from one projection
+            writer.add_tensor(p + "attn_qkv.weight", weight((n_head + 2 * n_head_kv) * head_dim, n_embd))
+            writer.add_tensor(p + "attn_sinks.weight", weight(n_head))
         writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim, out=True))
         writer.add_tensor(p + "ffn_norm.weight", ones)
-        if i == 0:
+        if i == 0 or (arch == MIMO2 and i == len(layers)):  # MiMo-V2's head is dense too
             writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
             writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
             writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
-        else:
+        elif arch == STEP35:
             add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
+        else:
+            writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
+            writer.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
+            writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+            writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+            writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
     p = f"blk.{len(layers)}."
     add_nextn(writer, p, n_embd, weight, agree)
     writer.add_tensor(p + "nextn.shared_head_norm.weight", ones)
@@ -158,8 +175,9 @@ def write_step35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n
 
 
 def family_mtp_model(cache: Path, tokenizer_source: Path, arch: str, *, agree: bool) -> Path:
-    """The cached tiny MTP model of ``arch`` (deepseek2, deepseek32 or step35), written on first use."""
-    if arch == STEP35:
-        return cached_mtp(cache, arch, agree, lambda p: write_step35_mtp_model(p, tokenizer_source, agree=agree))
+    """The cached tiny MTP model of ``arch`` (deepseek2, deepseek32, step35 or mimo2), written on first use."""
+    if arch in (STEP35, MIMO2):
+        return cached_mtp(cache, arch, agree,
+                          lambda p: write_window_mtp_model(p, tokenizer_source, agree=agree, arch=arch))
     return cached_mtp(cache, arch, agree,
                       lambda p: write_deepseek_mtp_model(p, tokenizer_source, agree=agree, arch=arch))
