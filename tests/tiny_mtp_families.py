@@ -4,10 +4,12 @@ for, beside GLM-4.5's (tests/tiny_mtp.py), with SmolLM2's vocabulary:
 - DeepSeek V3 (``deepseek2``) and V3.2 (``deepseek32``): multi-head latent attention (queries and
   keys-values through low-rank projections; the cache holds the latent), a dense first layer,
   then a mixture of experts with a shared one; V3.2 adds the sparse attention's indexer, which
-  picks the ``top_k`` cells each token attends to (a cache of its own beside the latent one);
+  picks the ``top_k`` cells each token attends to (a cache of its own beside the latent one), and
+  so does GLM-5 (``glm-dsa``), in V3.2's layout;
 - Step 3.5 (``step35``): sliding-window layers beside full-attention ones (two caches, the window's
   dropping what falls behind it), a per-head attention gate, and a mixture of experts with a
-  shared one; MiMo-V2 (``mimo2``): the same windows, with attention sinks, and experts alone.
+  shared one; MiMo-V2 (``mimo2``): the same windows, with attention sinks, and experts alone;
+  Hunyuan V3 (``hy_v3``): full attention only, experts with a shared one.
 
 ``agree`` as in tests/tiny_mtp.py: a head that predicts exactly what the model predicts, or a
 random one.
@@ -24,8 +26,10 @@ from tiny_mtp import add_experts, add_nextn, cached_mtp, open_hybrid, weights
 
 DEEPSEEK2 = "deepseek2"
 DEEPSEEK32 = "deepseek32"
+GLM_DSA = "glm-dsa"  # GLM-5: DeepSeek V3.2's attention
 STEP35 = "step35"
 MIMO2 = "mimo2"
+HY_V3 = "hy_v3"
 
 
 def add_shape(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab: int, *, n_embd: int, n_head: int,
@@ -54,10 +58,13 @@ def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
                              n_rot: int = 8, qk_nope: int = 16, v_head_dim: int = 16, n_ff: int = 128,
                              n_ff_exp: int = 32, n_expert: int = 4, n_trunk: int = 2, indexer_heads: int = 8,
                              indexer_dim: int = 64, indexer_top_k: int = 16) -> Path:
-    """A tiny DeepSeek V3 (``deepseek2``) or V3.2 (``deepseek32``, with the sparse attention's
-    indexer: a token attends to ``indexer_top_k`` cells at most) with one MTP block (latent
-    attention, a mixture of experts, and a norm of its own before the model's output)."""
-    if arch not in (DEEPSEEK2, DEEPSEEK32):
+    """A tiny DeepSeek V3 (``deepseek2``), V3.2 (``deepseek32``, with the sparse attention's
+    indexer: a token attends to ``indexer_top_k`` cells at most) or GLM-5 (``glm-dsa``, the same)
+    with one MTP block (latent attention, a mixture of experts, and a norm of its own before the
+    model's output). Eight indexer heads: with two, a cell's score is often exactly zero (each
+    head's is cut at zero), and which of the tied cells a token attends to depends on where they
+    lie in the cache."""
+    if arch not in (DEEPSEEK2, DEEPSEEK32, GLM_DSA):
         raise ValueError(f"not a DeepSeek layout: {arch}")
     writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, n_trunk, "transformer")
     writer.add_head_count_kv(1)  # one latent key-value head
@@ -69,7 +76,7 @@ def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
     writer.add_uint32(f"{arch}.attention.kv_lora_rank", kv_lora_rank)
     writer.add_rope_dimension_count(n_rot)
     writer.add_leading_dense_block_count(1)
-    if arch == DEEPSEEK32:
+    if arch != DEEPSEEK2:
         writer.add_uint32(f"{arch}.attention.indexer.head_count", indexer_heads)
         writer.add_uint32(f"{arch}.attention.indexer.key_length", indexer_dim)
         writer.add_uint32(f"{arch}.attention.indexer.top_k", indexer_top_k)
@@ -92,7 +99,7 @@ def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
         writer.add_tensor(p + "attn_k_b.weight", weight(n_head, kv_lora_rank, qk_nope))
         writer.add_tensor(p + "attn_v_b.weight", weight(n_head, v_head_dim, kv_lora_rank))
         writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * v_head_dim, out=True))
-        if arch == DEEPSEEK32:
+        if arch != DEEPSEEK2:
             writer.add_tensor(p + "indexer.k_norm.weight", np.ones(indexer_dim, dtype=np.float32))
             writer.add_tensor(p + "indexer.k_norm.bias", np.zeros(indexer_dim, dtype=np.float32))
             writer.add_tensor(p + "indexer.proj.weight", weight(indexer_heads, n_embd))
@@ -115,22 +122,25 @@ def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
 def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, arch: str = STEP35, n_embd: int = 64,
                            n_head: int = 4, n_head_kv: int = 2, layers: str = "sf", window: int = 8, n_ff: int = 128,
                            n_ff_exp: int = 32, n_expert: int = 4) -> Path:
-    """A tiny Step 3.5 (``step35``) or MiMo-V2 (``mimo2``): sliding-window layers "s" (a window of
-    ``window`` tokens) beside full-attention ones "f", the first feed-forward dense, the others
-    mixtures of experts, and one MTP block (full attention, experts (MiMo-V2's dense), a norm of
-    its own). Step 3.5's
-    queries and keys are normed per head and a gate per head scales the attention's output, its
-    experts have a shared one; MiMo-V2's queries, keys and values come from one projection, and its
+    """A tiny Step 3.5 (``step35``), MiMo-V2 (``mimo2``) or Hunyuan V3 (``hy_v3``, whose layers are
+    all "f"): sliding-window layers "s" (a window of ``window`` tokens) beside full-attention ones
+    "f", the first feed-forward dense, the others mixtures of experts, and one MTP block (full
+    attention, experts (MiMo-V2's dense), a norm of its own). Step 3.5's and Hunyuan V3's queries
+    and keys are normed per head, their experts have a shared one, and a gate per head scales Step
+    3.5's attention's output; MiMo-V2's queries, keys and values come from one projection, and its
     attention has sinks."""
-    if arch not in (STEP35, MIMO2):
+    if arch not in (STEP35, MIMO2, HY_V3):
         raise ValueError(f"not a sliding-window MTP layout: {arch}")
+    if arch == HY_V3:
+        layers = "f" * len(layers)
     head_dim = n_embd // n_head
     writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, len(layers), "transformer")
     writer.add_head_count_kv(n_head_kv)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_sliding_window(window)
-    writer.add_array(f"{arch}.attention.sliding_window_pattern", [kind == "s" for kind in layers] + [False])
-    if arch == STEP35:
+    if arch != HY_V3:
+        writer.add_sliding_window(window)
+        writer.add_array(f"{arch}.attention.sliding_window_pattern", [kind == "s" for kind in layers] + [False])
+    if arch != MIMO2:
         writer.add_expert_shared_feed_forward_length(n_ff_exp)
     add_shape(writer, arch, fields, n_vocab, n_embd=n_embd, n_head=n_head, n_expert=n_expert, n_ff=n_ff,
               n_ff_exp=n_ff_exp)
@@ -143,14 +153,15 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
     for i in range(len(layers) + 1):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", ones)
-        if arch == STEP35:
+        if arch != MIMO2:
             writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd))
             writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
             writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
             writer.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
             writer.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+        if arch == STEP35:
             writer.add_tensor(p + "attn_gate.weight", weight(n_head, n_embd))
-        else:  # MiMo-V2's head takes the queries, keys and values from one projection
+        elif arch == MIMO2:  # MiMo-V2's head takes the queries, keys and values from one projection
             writer.add_tensor(p + "attn_qkv.weight", weight((n_head + 2 * n_head_kv) * head_dim, n_embd))
             writer.add_tensor(p + "attn_sinks.weight", weight(n_head))
         writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim, out=True))
@@ -159,8 +170,9 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
             writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
             writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
             writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
-        elif arch == STEP35:
-            add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
+        elif arch != MIMO2:
+            bias = "exp_probs_b.bias" if arch == STEP35 else "exp_probs_b"  # Hunyuan V3's has no suffix
+            add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp, bias)
         else:
             writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
             writer.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
@@ -175,8 +187,9 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
 
 
 def family_mtp_model(cache: Path, tokenizer_source: Path, arch: str, *, agree: bool) -> Path:
-    """The cached tiny MTP model of ``arch`` (deepseek2, deepseek32, step35 or mimo2), written on first use."""
-    if arch in (STEP35, MIMO2):
+    """The cached tiny MTP model of ``arch`` (deepseek2, deepseek32, glm-dsa, step35, mimo2 or hy_v3),
+    written on first use."""
+    if arch in (STEP35, MIMO2, HY_V3):
         return cached_mtp(cache, arch, agree,
                           lambda p: write_window_mtp_model(p, tokenizer_source, agree=agree, arch=arch))
     return cached_mtp(cache, arch, agree,
