@@ -52,11 +52,12 @@ def add_nextn(writer: GGUFWriter, p: str, n_embd: int, weight: Callable[..., np.
 
 
 def add_experts(writer: GGUFWriter, p: str, weight: Callable[..., np.ndarray], n_embd: int, n_expert: int,
-                n_ff_exp: int, bias: str = "exp_probs_b.bias") -> None:
-    """A mixture of ``n_expert`` experts with a bias on their selection (the tensor ``bias``),
-    beside a gated shared expert (GLM-4.5's and Bailing-MoE 3's feed-forward)."""
+                n_ff_exp: int, bias: str | None = "exp_probs_b.bias") -> None:
+    """A mixture of ``n_expert`` experts with a bias on their selection (the tensor ``bias``; None:
+    no bias), beside a gated shared expert (GLM-4.5's and Bailing-MoE 3's feed-forward)."""
     writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
-    writer.add_tensor(p + bias, np.zeros(n_expert, dtype=np.float32))
+    if bias is not None:
+        writer.add_tensor(p + bias, np.zeros(n_expert, dtype=np.float32))
     writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
     writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
     writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))

@@ -9,7 +9,9 @@ for, beside GLM-4.5's (tests/tiny_mtp.py), with SmolLM2's vocabulary:
 - Step 3.5 (``step35``): sliding-window layers beside full-attention ones (two caches, the window's
   dropping what falls behind it), a per-head attention gate, and a mixture of experts with a
   shared one; MiMo-V2 (``mimo2``): the same windows, with attention sinks, and experts alone;
-  Hunyuan V3 (``hy_v3``): full attention only, experts with a shared one.
+  Hunyuan V3 (``hy_v3``): full attention only, experts with a shared one; Cohere Command's
+  mixture of experts (``cohere2moe``): windows, layer norms, attention and feed-forward side by
+  side from one norm.
 
 ``agree`` as in tests/tiny_mtp.py: a head that predicts exactly what the model predicts, or a
 random one.
@@ -30,6 +32,7 @@ GLM_DSA = "glm-dsa"  # GLM-5: DeepSeek V3.2's attention
 STEP35 = "step35"
 MIMO2 = "mimo2"
 HY_V3 = "hy_v3"
+COHERE2MOE = "cohere2moe"
 
 
 def add_shape(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab: int, *, n_embd: int, n_head: int,
@@ -128,8 +131,9 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
     attention, experts (MiMo-V2's dense), a norm of its own). Step 3.5's and Hunyuan V3's queries
     and keys are normed per head, their experts have a shared one, and a gate per head scales Step
     3.5's attention's output; MiMo-V2's queries, keys and values come from one projection, and its
-    attention has sinks."""
-    if arch not in (STEP35, MIMO2, HY_V3):
+    attention has sinks. Cohere's (``cohere2moe``) layers norm their input once (a layer norm) for
+    the attention and the feed-forward beside it, and scale the logits."""
+    if arch not in (STEP35, MIMO2, HY_V3, COHERE2MOE):
         raise ValueError(f"not a sliding-window MTP layout: {arch}")
     if arch == HY_V3:
         layers = "f" * len(layers)
@@ -142,6 +146,10 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
         writer.add_array(f"{arch}.attention.sliding_window_pattern", [kind == "s" for kind in layers] + [False])
     if arch != MIMO2:
         writer.add_expert_shared_feed_forward_length(n_ff_exp)
+    if arch == COHERE2MOE:
+        writer.add_layer_norm_eps(1e-5)
+        writer.add_logit_scale(0.5)
+        writer.add_leading_dense_block_count(1)
     add_shape(writer, arch, fields, n_vocab, n_embd=n_embd, n_head=n_head, n_expert=n_expert, n_ff=n_ff,
               n_ff_exp=n_ff_exp)
     weight = weights(47 if agree else 53, agree)
@@ -157,6 +165,7 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
             writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd))
             writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
             writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
+        if arch in (STEP35, HY_V3):
             writer.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
             writer.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
         if arch == STEP35:
@@ -165,13 +174,15 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
             writer.add_tensor(p + "attn_qkv.weight", weight((n_head + 2 * n_head_kv) * head_dim, n_embd))
             writer.add_tensor(p + "attn_sinks.weight", weight(n_head))
         writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim, out=True))
-        writer.add_tensor(p + "ffn_norm.weight", ones)
+        if arch != COHERE2MOE:
+            writer.add_tensor(p + "ffn_norm.weight", ones)
         if i == 0 or (arch == MIMO2 and i == len(layers)):  # MiMo-V2's head is dense too
             writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
             writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
             writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
         elif arch != MIMO2:
-            bias = "exp_probs_b.bias" if arch == STEP35 else "exp_probs_b"  # Hunyuan V3's has no suffix
+            # Hunyuan V3's selection bias has no suffix, Cohere's experts none
+            bias = {STEP35: "exp_probs_b.bias", HY_V3: "exp_probs_b"}.get(arch)
             add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp, bias)
         else:
             writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
@@ -187,9 +198,9 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
 
 
 def family_mtp_model(cache: Path, tokenizer_source: Path, arch: str, *, agree: bool) -> Path:
-    """The cached tiny MTP model of ``arch`` (deepseek2, deepseek32, glm-dsa, step35, mimo2 or hy_v3),
-    written on first use."""
-    if arch in (STEP35, MIMO2, HY_V3):
+    """The cached tiny MTP model of ``arch`` (deepseek2, deepseek32, glm-dsa, step35, mimo2, hy_v3 or
+    cohere2moe), written on first use."""
+    if arch in (STEP35, MIMO2, HY_V3, COHERE2MOE):
         return cached_mtp(cache, arch, agree,
                           lambda p: write_window_mtp_model(p, tokenizer_source, agree=agree, arch=arch))
     return cached_mtp(cache, arch, agree,

@@ -1,10 +1,11 @@
 """Speculation with the model's own multi-token-prediction (MTP) layers, on tiny transformers in the
 layouts of GLM-4.5 (tests/tiny_mtp.py), DeepSeek V3 (latent attention), DeepSeek V3.2 and GLM-5
 (its sparse attention: an indexer picks the cells a token attends to), Step 3.5 and MiMo-V2
-(sliding-window layers beside full ones) and Hunyuan V3 (tests/tiny_mtp_families.py): greedy and
-seeded text the same as without drafts, through forks, rewinds, preemption and overlapped steps; a
-head that agrees with the model has every draft taken; the MTP context holds what it would hold had
-it read the whole history at once; typed errors for settings that cannot work."""
+(sliding-window layers beside full ones), Hunyuan V3 and Cohere's mixture of experts
+(tests/tiny_mtp_families.py): greedy and seeded text the same as without drafts, through forks,
+rewinds, preemption and overlapped steps; a head that agrees with the model has every draft taken;
+the MTP context holds what it would hold had it read the whole history at once; typed errors for
+settings that cannot work."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from helpers import gather
 from tiny_model import bert_model
 from tiny_mtp import mtp_model
-from tiny_mtp_families import DEEPSEEK2, DEEPSEEK32, GLM_DSA, HY_V3, MIMO2, STEP35, family_mtp_model
+from tiny_mtp_families import COHERE2MOE, DEEPSEEK2, DEEPSEEK32, GLM_DSA, HY_V3, MIMO2, STEP35, family_mtp_model
 
 import aiollama
 from aiollama import Engine, EngineConfig, InvalidRequestError, UnsupportedModel
@@ -29,7 +30,7 @@ GREEDY: dict[str, Any] = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = ["Once upon a time", "The capital of France is", "def fib(n):", "Hello " * 30]
 
 
-FAMILIES = ["glm4moe", DEEPSEEK2, DEEPSEEK32, GLM_DSA, STEP35, MIMO2, HY_V3]
+FAMILIES = ["glm4moe", DEEPSEEK2, DEEPSEEK32, GLM_DSA, STEP35, MIMO2, HY_V3, COHERE2MOE]
 
 
 def family_model(smollm2_path: Path, arch: str, agree: bool) -> Path:
@@ -77,7 +78,7 @@ async def test_a_random_head_changes_nothing(random_head: Path) -> None:
 
 # the caches the deterministic mode cannot keep in position order (it refuses them): the sparse
 # attention's indexer cache, and the sliding window's, which reuses a sequence's old cells
-UNORDERED = (DEEPSEEK32, GLM_DSA, STEP35, MIMO2)
+UNORDERED = (DEEPSEEK32, GLM_DSA, STEP35, MIMO2, COHERE2MOE)
 
 
 @pytest.mark.anyio
