@@ -68,16 +68,17 @@ def add_experts(writer: GGUFWriter, p: str, weight: Callable[..., np.ndarray], n
 
 def write_mtp_model(path: Path, tokenizer_source: Path | None, *, agree: bool, tokenizer: dict[str, object] | None = None,
                     n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128, n_ff_exp: int = 32,
-                    n_expert: int = 2, n_trunk: int = 2) -> Path:
-    """The model; its vocabulary copied from ``tokenizer_source``, or the fields of ``tokenizer``."""
+                    n_expert: int = 2, n_trunk: int = 2, n_nextn: int = 1) -> Path:
+    """The model, with ``n_nextn`` MTP blocks; its vocabulary copied from ``tokenizer_source``, or
+    the fields of ``tokenizer``."""
     fields = copy_tokenizer(tokenizer_source) if tokenizer_source is not None else {}
     n_vocab = len(fields["tokenizer.ggml.tokens"].data) if fields else len(tokenizer["tokenizer.ggml.tokens"])  # type: ignore[index, arg-type, attr-defined]
     head_dim = n_embd // n_head
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     writer = GGUFWriter(str(tmp), ARCH)
     writer.add_name("aiollama tiny MTP test model")
-    writer.add_block_count(n_trunk + 1)
-    writer.add_uint32(f"{ARCH}.nextn_predict_layers", 1)
+    writer.add_block_count(n_trunk + n_nextn)
+    writer.add_uint32(f"{ARCH}.nextn_predict_layers", n_nextn)
     writer.add_uint32(f"{ARCH}.leading_dense_block_count", n_trunk)  # the NextN block is the MoE one
     writer.add_context_length(4096)
     writer.add_embedding_length(n_embd)
@@ -102,7 +103,7 @@ def write_mtp_model(path: Path, tokenizer_source: Path | None, *, agree: bool, t
     writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
     writer.add_tensor("output_norm.weight", ones)
     writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))  # not tied: next token != this one
-    for i in range(n_trunk + 1):
+    for i in range(n_trunk + n_nextn):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", ones)
         writer.add_tensor(p + "attn_q.weight", weight(n_head * head_dim, n_embd))

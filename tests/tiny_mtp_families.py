@@ -60,13 +60,14 @@ def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
                              n_embd: int = 64, n_head: int = 4, q_lora_rank: int = 32, kv_lora_rank: int = 32,
                              n_rot: int = 8, qk_nope: int = 16, v_head_dim: int = 16, n_ff: int = 128,
                              n_ff_exp: int = 32, n_expert: int = 4, n_trunk: int = 2, indexer_heads: int = 8,
-                             indexer_dim: int = 64, indexer_top_k: int = 16) -> Path:
+                             indexer_dim: int = 64, indexer_top_k: int = 16, temperature_scale: float = 0.0) -> Path:
     """A tiny DeepSeek V3 (``deepseek2``), V3.2 (``deepseek32``, with the sparse attention's
     indexer: a token attends to ``indexer_top_k`` cells at most) or GLM-5 (``glm-dsa``, the same)
     with one MTP block (latent attention, a mixture of experts, and a norm of its own before the
     model's output). Eight indexer heads: with two, a cell's score is often exactly zero (each
     head's is cut at zero), and which of the tied cells a token attends to depends on where they
-    lie in the cache."""
+    lie in the cache. ``temperature_scale``: Mistral Large 3's attention temperature (DeepSeek V3's
+    layout), which llama.cpp's MTP head does not run."""
     if arch not in (DEEPSEEK2, DEEPSEEK32, GLM_DSA):
         raise ValueError(f"not a DeepSeek layout: {arch}")
     writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, n_trunk, "transformer")
@@ -79,6 +80,9 @@ def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
     writer.add_uint32(f"{arch}.attention.kv_lora_rank", kv_lora_rank)
     writer.add_rope_dimension_count(n_rot)
     writer.add_leading_dense_block_count(1)
+    if temperature_scale:
+        writer.add_float32(f"{arch}.attention.temperature_scale", temperature_scale)
+        writer.add_uint32(f"{arch}.attention.temperature_length", 64)
     if arch != DEEPSEEK2:
         writer.add_uint32(f"{arch}.attention.indexer.head_count", indexer_heads)
         writer.add_uint32(f"{arch}.attention.indexer.key_length", indexer_dim)

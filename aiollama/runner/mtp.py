@@ -46,6 +46,12 @@ MTP_HYBRIDS = frozenset({"qwen3next", "qwen35", "qwen35moe", "qwen4exp", "bailin
 # llama.cpp aborts the process). The cost: the output projection for the queued entries too.
 STATES_WITH_LOGITS = frozenset({"step35", "mimo2", "deepseek4", "qwen3next"})
 
+# The architectures whose MTP graph at the pinned tag runs one block: llama.cpp aborts the process
+# (an assertion) when such a model carries more. The others (Step 3.5, MiMo-V2, Hunyuan V3) run the
+# first of several, as here.
+ONE_BLOCK = frozenset({"glm4moe", "deepseek2", "deepseek32", "deepseek4", "glm-dsa", "cohere2moe", "bailingmoe3",
+                       "nemotron_h_moe", "qwen35", "qwen35moe", "qwen3next", "qwen4exp"})
+
 # A sequence's entries wait to be decoded until it drafts (with its first draft entry, in one
 # decode), or until this many wait: a stream that does not draft costs a copy of its states only.
 QUEUE_ROWS = 256
@@ -78,9 +84,18 @@ Entry = tuple[int, int, int, np.ndarray, int | None]
 
 def head_options(model: Model, target: Context, n_threads: int | None) -> dict[str, Any]:
     """The options of the MTP context of ``target`` (as many cells and seq ids, one cache).
-    Raises InvalidRequestError for a model without MTP layers."""
+    Raises InvalidRequestError for a model without MTP layers, UnsupportedModel for one whose MTP
+    head llama.cpp would abort the process on (rather than run)."""
     if model.n_layer_nextn == 0:
         raise InvalidRequestError(f"{model.path} has no multi-token-prediction layers: give mtp=False")
+    arch = model.metadata("general.architecture")
+    if arch in ONE_BLOCK and model.n_layer_nextn > 1:
+        raise UnsupportedModel(f"{Path(model.path).name} has {model.n_layer_nextn} MTP blocks, and llama.cpp runs "
+                               f"the MTP head of {arch} with one only (give no mtp)")
+    if arch == "deepseek2" and (not float(model.metadata(f"{arch}.attention.key_length_mla") or 0)
+                                or float(model.metadata(f"{arch}.attention.temperature_scale") or 0)):
+        raise UnsupportedModel(f"{Path(model.path).name}: llama.cpp runs the MTP head of {arch} with latent "
+                               "attention and no attention temperature only (give no mtp)")
     return {"n_ctx": target.n_ctx, "n_batch": target.n_batch, "n_seq_max": target.n_seq_max, "n_threads": n_threads,
             "kv_unified": True, "mtp": True}
 

@@ -17,8 +17,18 @@ import numpy as np
 import pytest
 from helpers import gather
 from tiny_model import bert_model
-from tiny_mtp import mtp_model
-from tiny_mtp_families import COHERE2MOE, DEEPSEEK2, DEEPSEEK32, GLM_DSA, HY_V3, MIMO2, STEP35, family_mtp_model
+from tiny_mtp import mtp_model, write_mtp_model
+from tiny_mtp_families import (
+    COHERE2MOE,
+    DEEPSEEK2,
+    DEEPSEEK32,
+    GLM_DSA,
+    HY_V3,
+    MIMO2,
+    STEP35,
+    family_mtp_model,
+    write_deepseek_mtp_model,
+)
 
 import aiollama
 from aiollama import Engine, EngineConfig, InvalidRequestError, UnsupportedModel
@@ -177,6 +187,22 @@ async def test_a_model_without_mtp_layers_is_refused(tiny_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="multi-token-prediction"):
         async with Engine(tiny_path, mtp=True):
             pass
+
+
+@pytest.mark.anyio
+async def test_an_mtp_head_llama_cpp_would_abort_on_is_refused(smollm2_path: Path, tmp_path: Path) -> None:
+    """Two MTP blocks in GLM-4.5's layout (llama.cpp's head runs one, and asserts so), and DeepSeek
+    V3's layout with an attention temperature (Mistral Large 3's): refused with the reason where
+    llama.cpp would abort the whole process; both run without MTP."""
+    two = write_mtp_model(tmp_path / "two-blocks.gguf", smollm2_path, agree=False, n_nextn=2)
+    warm = write_deepseek_mtp_model(tmp_path / "warm.gguf", smollm2_path, agree=False, arch=DEEPSEEK2,
+                                    temperature_scale=0.1)
+    for model, reason in ((two, "2 MTP blocks.*give no mtp"), (warm, "attention temperature.*give no mtp")):
+        with pytest.raises(UnsupportedModel, match=reason):
+            async with Engine(model, n_ctx=512, mtp=True):
+                pass
+        async with Engine(model, n_ctx=512) as engine:
+            assert len((await engine.conversation("Once upon a time").stream(max_tokens=4, **GREEDY)).tokens) == 4
 
 
 @pytest.mark.anyio
