@@ -1,4 +1,4 @@
-"""Tiny transformer models with an MTP block in the layouts of two more families llama.cpp runs MTP
+"""Tiny transformer models with an MTP block in the layouts of the other families llama.cpp runs MTP
 for, beside GLM-4.5's (tests/tiny_mtp.py), with SmolLM2's vocabulary:
 
 - DeepSeek V3 (``deepseek2``) and V3.2 (``deepseek32``): multi-head latent attention (queries and
@@ -13,6 +13,9 @@ for, beside GLM-4.5's (tests/tiny_mtp.py), with SmolLM2's vocabulary:
   mixture of experts (``cohere2moe``): windows, layer norms, attention and feed-forward side by
   side from one norm.
 
+And one hybrid: Qwen4-exp (``qwen4exp``), gated delta nets beside a sparse attention over pooled
+blocks of cells, its residual stream widened into several mixed ones (hyper-connections).
+
 ``agree`` as in tests/tiny_mtp.py: a head that predicts exactly what the model predicts, or a
 random one.
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter
 from tiny_model import add_fields, finish
-from tiny_mtp import add_experts, add_nextn, cached_mtp, open_hybrid, weights
+from tiny_mtp import add_experts, add_nextn, add_ssm_and_vocab, cached_mtp, open_hybrid, weights
 
 DEEPSEEK2 = "deepseek2"
 DEEPSEEK32 = "deepseek32"
@@ -209,3 +212,107 @@ def family_mtp_model(cache: Path, tokenizer_source: Path, arch: str, *, agree: b
                           lambda p: write_window_mtp_model(p, tokenizer_source, agree=agree, arch=arch))
     return cached_mtp(cache, arch, agree,
                       lambda p: write_deepseek_mtp_model(p, tokenizer_source, agree=agree, arch=arch))
+
+
+QWEN4EXP = "qwen4exp"
+
+
+def write_qwen4exp_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: int = 64, n_head: int = 4,
+                             n_head_kv: int = 2, layers: str = "gga", d_state: int = 16, n_k_heads: int = 2,
+                             n_v_heads: int = 4, d_conv: int = 4, n_ff_exp: int = 32, n_expert: int = 4, hc: int = 2,
+                             hc_rank: int = 8, indexer_heads: int = 4, indexer_dim: int = 16, indexer_top_k: int = 16,
+                             pool: int = 4) -> Path:
+    """A tiny Qwen4-exp (hybrid: gated-delta-net layers "g" beside gated attention layers "a" whose
+    sparse attention attends to the ``indexer_top_k`` cells an indexer picks among pooled blocks of
+    ``pool`` cells; ``hc`` residual streams mixed before and after each block (hyper-connections)
+    instead of layer norms, the last mixer the output norm; experts everywhere) with one MTP block.
+    The agreeing head's last mixer is the model's own."""
+    arch, head_dim = QWEN4EXP, n_embd // n_head
+    key_dim, value_dim, hc_dim = d_state * n_k_heads, d_state * n_v_heads, hc * n_embd
+    writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, len(layers))
+    writer.add_array(f"{arch}.attention.recurrent_layers", [kind == "g" for kind in layers] + [False])
+    writer.add_array(f"{arch}.attention.compress_ratios", [0 if kind == "g" else pool for kind in layers] + [pool])
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff_exp)
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(2)
+    writer.add_expert_feed_forward_length(n_ff_exp)
+    writer.add_expert_shared_feed_forward_length(n_ff_exp)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_array(f"{arch}.rope.dimension_sections", [head_dim // 4, head_dim // 4 - head_dim // 8, head_dim // 8, 0])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_uint32(f"{arch}.hyper_connection.count", hc)
+    writer.add_uint32(f"{arch}.hyper_connection.low_rank", hc_rank)
+    writer.add_uint32(f"{arch}.attention.indexer.head_count", indexer_heads)
+    writer.add_uint32(f"{arch}.attention.indexer.key_length", indexer_dim)
+    writer.add_uint32(f"{arch}.attention.indexer.top_k", indexer_top_k)
+    add_ssm_and_vocab(writer, arch, fields, n_vocab, conv_kernel=d_conv, inner_size=value_dim, state_size=d_state,
+                      time_step_rank=n_v_heads, group_count=n_k_heads)
+    weight = weights(59 if agree else 61, agree)
+
+    def mixer_parts() -> dict[str, np.ndarray]:  # a mixer's gammas, and its low-rank gate
+        return {"norm": np.ones((hc, n_embd), dtype=np.float32), "down": weight(hc_rank, hc_dim),
+                "up": weight(hc_dim, hc_rank)}
+
+    head = mixer_parts()
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    for name, value in head.items():
+        writer.add_tensor(f"output_hc_{name}.weight", value)
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    for i, kind in enumerate(layers + "m"):
+        p = f"blk.{i}."
+        for block in ("attn", "ffn"):  # the mixers before the token mixer and before the experts
+            for name, value in mixer_parts().items():
+                writer.add_tensor(p + f"hc_{block}_{name}.weight", value)
+            writer.add_tensor(p + f"hc_{block}_inject.weight", weight(hc, hc_dim))
+        if kind == "g":
+            writer.add_tensor(p + "attn_qkv.weight", weight(2 * key_dim + value_dim, n_embd))
+            writer.add_tensor(p + "attn_gate.weight", weight(value_dim, n_embd))
+            writer.add_tensor(p + "ssm_conv1d.weight", weight(2 * key_dim + value_dim, d_conv, scale=0.5))
+            writer.add_tensor(p + "ssm_dt.bias", np.zeros(n_v_heads, dtype=np.float32))
+            writer.add_tensor(p + "ssm_a", -np.ones(n_v_heads, dtype=np.float32))
+            writer.add_tensor(p + "ssm_beta.weight", weight(n_v_heads, n_embd))
+            writer.add_tensor(p + "ssm_alpha.weight", weight(n_v_heads, n_embd))
+            writer.add_tensor(p + "ssm_norm.weight", np.ones(d_state, dtype=np.float32))
+            writer.add_tensor(p + "ssm_out.weight", weight(n_embd, value_dim, out=True))
+        else:
+            writer.add_tensor(p + "attn_q.weight", weight(2 * n_head * head_dim, n_embd))  # queries and their gates
+            writer.add_tensor(p + "attn_k.weight", weight(n_head_kv * head_dim, n_embd))
+            writer.add_tensor(p + "attn_v.weight", weight(n_head_kv * head_dim, n_embd))
+            writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_head * head_dim, out=True))
+            writer.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(p + "indexer.q_proj.weight", weight(indexer_heads * indexer_dim, n_embd))
+            writer.add_tensor(p + "indexer.k_proj.weight", weight(indexer_dim, n_embd))
+            writer.add_tensor(p + "indexer.q_norm.weight", np.ones(indexer_dim, dtype=np.float32))
+            writer.add_tensor(p + "indexer.k_norm.weight", np.ones(indexer_dim, dtype=np.float32))
+        writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
+        writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
+        writer.add_tensor(p + "ffn_gate_inp_shexp.weight", weight(n_embd))
+        writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
+        writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
+        if kind == "m":
+            eh = weight(n_embd, 2 * n_embd)
+            if agree:
+                eh = np.hstack([np.eye(n_embd, dtype=np.float32), np.zeros((n_embd, n_embd), dtype=np.float32)])
+            writer.add_tensor(p + "nextn.eh_proj.weight", eh)
+            writer.add_tensor(p + "nextn.enorm.weight", np.ones(n_embd, dtype=np.float32))
+            writer.add_tensor(p + "nextn.hnorm.weight", np.ones((hc, n_embd), dtype=np.float32))
+            for name, value in (head if agree else mixer_parts()).items():
+                writer.add_tensor(p + f"nextn.hc_head_{name}.weight", value)
+    finish(writer, tmp, path)
+    return path
+
+
+def qwen4exp_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
+    """The cached tiny Qwen4-exp with an MTP block, written on first use."""
+    return cached_mtp(cache, QWEN4EXP, agree, lambda p: write_qwen4exp_mtp_model(p, tokenizer_source, agree=agree))
