@@ -39,8 +39,9 @@ COHERE2MOE = "cohere2moe"
 
 
 def add_shape(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab: int, *, n_embd: int, n_head: int,
-              n_expert: int, n_ff: int, n_ff_exp: int) -> None:
-    """What every one of these models says of its shape, its experts and its vocabulary."""
+              n_expert: int, n_ff: int, n_ff_exp: int, gating: int = ExpertGatingFuncType.SIGMOID.value) -> None:
+    """What every one of these models says of its shape, its experts (``gating``: how the router
+    scores them, llama.cpp's number) and its vocabulary."""
     writer.add_context_length(4096)
     writer.add_embedding_length(n_embd)
     writer.add_feed_forward_length(n_ff)
@@ -52,7 +53,7 @@ def add_shape(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab:
     writer.add_expert_shared_count(1)
     writer.add_expert_weights_norm(True)
     writer.add_expert_weights_scale(1.0)
-    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    writer.add_uint32(f"{arch}.expert_gating_func", gating)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(0)  # all F32
@@ -316,3 +317,90 @@ def write_qwen4exp_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
 def qwen4exp_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
     """The cached tiny Qwen4-exp with an MTP block, written on first use."""
     return cached_mtp(cache, QWEN4EXP, agree, lambda p: write_qwen4exp_mtp_model(p, tokenizer_source, agree=agree))
+
+
+DEEPSEEK4 = "deepseek4"
+
+
+def write_deepseek4_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, n_embd: int = 64, n_head: int = 4,
+                              head_dim: int = 32, n_rot: int = 8, q_lora_rank: int = 32, o_groups: int = 2,
+                              o_rank: int = 16, window: int = 8, ratios: tuple[int, ...] = (4, 128), n_ff_exp: int = 32,
+                              n_expert: int = 4, hc: int = 4, indexer_heads: int = 4, indexer_dim: int = 64,
+                              indexer_top_k: int = 16) -> Path:
+    """A tiny DeepSeek V4: a key-value head shared by every query head (one projection for both,
+    attention sinks, a window of ``window`` tokens), beside it in each layer the compressed blocks
+    of ``ratios`` cells (4: attended to where an indexer picks them; 128: all of them); ``hc``
+    residual streams mixed before and after each block (Sinkhorn-balanced hyper-connections);
+    experts with a shared one; one MTP block."""
+    arch = DEEPSEEK4
+    hc_dim, mix = hc * n_embd, (2 + hc) * hc
+    writer, tmp, fields, n_vocab = open_hybrid(path, tokenizer_source, arch, len(ratios), "transformer")
+    writer.add_head_count_kv(1)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(n_rot)
+    writer.add_sliding_window(window)
+    writer.add_uint32(f"{arch}.attention.q_lora_rank", q_lora_rank)
+    writer.add_uint32(f"{arch}.attention.output_group_count", o_groups)
+    writer.add_uint32(f"{arch}.attention.output_lora_rank", o_rank)
+    writer.add_float32(f"{arch}.attention.compress_rope_freq_base", 160000.0)
+    writer.add_array(f"{arch}.attention.compress_ratios", [*ratios, 0])
+    writer.add_uint32(f"{arch}.attention.indexer.head_count", indexer_heads)
+    writer.add_uint32(f"{arch}.attention.indexer.key_length", indexer_dim)
+    writer.add_uint32(f"{arch}.attention.indexer.top_k", indexer_top_k)
+    writer.add_uint32(f"{arch}.hyper_connection.count", hc)
+    writer.add_uint32(f"{arch}.hyper_connection.sinkhorn_iterations", 3)
+    writer.add_float32(f"{arch}.hyper_connection.epsilon", 1e-6)
+    writer.add_uint32(f"{arch}.hash_layer_count", 0)
+    writer.add_float32(f"{arch}.swiglu_clamp_exp", 10.0)
+    add_shape(writer, arch, fields, n_vocab, n_embd=n_embd, n_head=n_head, n_expert=n_expert, n_ff=n_ff_exp,
+              n_ff_exp=n_ff_exp, gating=4)  # the square root of a softplus
+    weight = weights(67 if agree else 71, agree)
+    ones = np.ones(n_embd, dtype=np.float32)
+
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_hc_fn.weight", weight(hc, hc_dim))
+    writer.add_tensor("output_hc_base.weight", np.zeros(hc, dtype=np.float32))
+    writer.add_tensor("output_hc_scale.weight", np.ones(1, dtype=np.float32))
+    for i, ratio in enumerate([*ratios, 0]):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones)
+        writer.add_tensor(p + "attn_sinks.weight", weight(n_head))
+        writer.add_tensor(p + "attn_q_a.weight", weight(q_lora_rank, n_embd))
+        writer.add_tensor(p + "attn_q_a_norm.weight", np.ones(q_lora_rank, dtype=np.float32))
+        writer.add_tensor(p + "attn_q_b.weight", weight(n_head * head_dim, q_lora_rank))
+        writer.add_tensor(p + "attn_kv.weight", weight(head_dim, n_embd))
+        writer.add_tensor(p + "attn_kv_a_norm.weight", np.ones(head_dim, dtype=np.float32))
+        writer.add_tensor(p + "attn_output_a.weight", weight(o_rank * o_groups, n_head * head_dim // o_groups))
+        writer.add_tensor(p + "attn_output_b.weight", weight(n_embd, o_groups * o_rank, out=True))
+        for block in ("attn", "ffn"):
+            writer.add_tensor(p + f"hc_{block}_fn.weight", weight(mix, hc_dim))
+            writer.add_tensor(p + f"hc_{block}_base.weight", np.zeros(mix, dtype=np.float32))
+            writer.add_tensor(p + f"hc_{block}_scale.weight", np.ones(3, dtype=np.float32))
+        if ratio:
+            width = (2 if ratio == 4 else 1) * head_dim  # blocks of 4 overlap their neighbours
+            writer.add_tensor(p + "attn_compressor_kv.weight", weight(width, n_embd))
+            writer.add_tensor(p + "attn_compressor_gate.weight", weight(width, n_embd))
+            writer.add_tensor(p + "attn_compressor_ape.weight", weight(ratio, width))
+            writer.add_tensor(p + "attn_compressor_norm.weight", np.ones(head_dim, dtype=np.float32))
+        if ratio == 4:
+            writer.add_tensor(p + "indexer.proj.weight", weight(indexer_heads, n_embd))
+            writer.add_tensor(p + "indexer.attn_q_b.weight", weight(indexer_heads * indexer_dim, q_lora_rank))
+            writer.add_tensor(p + "indexer_compressor_kv.weight", weight(2 * indexer_dim, n_embd))
+            writer.add_tensor(p + "indexer_compressor_gate.weight", weight(2 * indexer_dim, n_embd))
+            writer.add_tensor(p + "indexer_compressor_ape.weight", weight(ratio, 2 * indexer_dim))
+            writer.add_tensor(p + "indexer_compressor_norm.weight", np.ones(indexer_dim, dtype=np.float32))
+        writer.add_tensor(p + "ffn_norm.weight", ones)
+        add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
+    p = f"blk.{len(ratios)}."
+    add_nextn(writer, p, n_embd, weight, agree)
+    writer.add_tensor(p + "nextn.shared_head_norm.weight", ones)
+    finish(writer, tmp, path)
+    return path
+
+
+def deepseek4_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
+    """The cached tiny DeepSeek V4 with an MTP block, written on first use."""
+    return cached_mtp(cache, DEEPSEEK4, agree, lambda p: write_deepseek4_mtp_model(p, tokenizer_source, agree=agree))

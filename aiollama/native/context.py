@@ -23,7 +23,7 @@ from aiollama.native.batch import Batch
 from aiollama.native.binding import ffi, lib
 from aiollama.native.handle import Handle
 from aiollama.native.lora import LoraAdapter, set_adapters
-from aiollama.native.memory import MemoryOps
+from aiollama.native.memory import WHOLE_COPIES, MemoryOps
 from aiollama.native.model import Model, Vocab, with_model
 from aiollama.native.params import context_params
 
@@ -135,6 +135,8 @@ class Context(Handle, MemoryOps):
             raise ContextCreateError(f"n_seq_max ({self.n_seq_max}) exceeds the batch ({self.n_batch}, at most "
                                      "n_ctx): give fewer sequences or a larger batch and context")
         self.kv_unified = kv_unified
+        # (an MTP context's memory is a plain attention cache for its block)
+        self.whole_copies = not mtp and model.metadata("general.architecture") in WHOLE_COPIES
         self.embeddings = embeddings
         # what a pooled row holds: a reranker's scores (rank pooling), else an embedding
         self.pooled_size: int = model.n_cls_out if embeddings and lib.llama_pooling_type(ptr) == \

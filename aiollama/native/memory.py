@@ -10,6 +10,11 @@ from aiollama.native.binding import ffi, lib
 
 PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the recurrent (or sliding-window) part of a state
 
+# The architectures whose memory llama.cpp copies only whole sequences of (it asserts so, aborting the
+# process on a range), and copies so that the two share state: DeepSeek V4's window, compressed
+# blocks and compressor states.
+WHOLE_COPIES = frozenset({"deepseek4"})
+
 
 class MemoryOps:
     """The memory operations of a context (a mixin of :class:`~aiollama.native.context.Context`,
@@ -18,6 +23,7 @@ class MemoryOps:
     _memory: Any
     kv_unified: bool
     n_ctx_seq: int
+    whole_copies: bool  # seq_cp copies whole sequences only (WHOLE_COPIES)
 
     if TYPE_CHECKING:
         def _get(self) -> Any: ...
@@ -48,11 +54,26 @@ class MemoryOps:
         """Make ``dst`` hold ``src``'s positions [p0, p1) too.
 
         In a unified KV cache this shares cells and copies nothing. In a split cache it copies a whole
-        stream, and a partial range would abort llama.cpp, so it raises InvalidRequestError.
+        stream, and a partial range would abort llama.cpp, so it raises InvalidRequestError; so does
+        a range of a memory that llama.cpp copies whole only (``whole_copies``), where a range that
+        covers the whole of ``src`` is a whole copy (made through the state's bytes).
         """
         self._get()
         self._check_seq(src)
         self._check_seq(dst)
+        if self.whole_copies and src != dst:
+            if p1 > lib.llama_memory_seq_pos_max(self._mem(), src):
+                p1 = -1  # up to the end
+            if p0 > 0 or p1 >= 0:
+                raise InvalidRequestError(f"seq_cp of the range [{p0}, {p1}): llama.cpp copies whole sequences "
+                                          "only of this model's memory (p0=p1=-1)")
+            # and its copy leaves the two sequences sharing state that the first of them to decode
+            # changes for both: the state's bytes are copied instead
+            self.seq_rm(dst, -1, -1)
+            state = self.seq_state(src)
+            if state:
+                self.set_seq_state(dst, state)
+            return
         if not self.kv_unified and src != dst:
             size = self.n_ctx_seq
             partial = (p0 > 0 and p0 + 1 < size) or (p1 > 0 and p1 + 1 < size)

@@ -330,7 +330,11 @@ class NativeExecutor:
                 self._remove(op.seq_id, op.p0, -1)
             elif isinstance(op, Copy):
                 self._remove.settle(op.src, op.dst)
-                if self.ctx.kv_unified:
+                if self.ctx.whole_copies:
+                    # the whole holder; sharing part of it, the checkpoint put back next replaces its
+                    # window and compressor states (DeepSeek V4: tests/core/test_recurrent.py)
+                    self.ctx.seq_cp(op.src, op.dst)
+                elif self.ctx.kv_unified:
                     self.ctx.seq_cp(op.src, op.dst, 0, op.n)
                 else:  # across caches llama.cpp copies a whole sequence: cut the copy after n
                     self.ctx.seq_cp(op.src, op.dst)

@@ -6,7 +6,8 @@ same history gives.
 
 First against the fake executor with a hybrid memory (``fake_kv`` asserts llama.cpp's rules at every
 operation and every decode), then on tiny models written with gguf: an LFM2 (short convolutions
-beside attention), a Jamba (Mamba beside attention) and a Mamba (purely recurrent)."""
+beside attention), a Jamba (Mamba beside attention), a Mamba (purely recurrent) and a DeepSeek V4
+(compressors with a state beside attention over a window)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from helpers import gather, wait_for
 from server_process import Server
 from test_engine_fake import GREEDY, Fakes, engine_of, every_third, prompt
 from tiny_model import lfm2_model, mamba_model
+from tiny_mtp_families import deepseek4_mtp_model
 
 import aiollama
 from aiollama import Engine, EngineConfig, FinishReason
@@ -146,12 +148,16 @@ async def test_a_cancelled_prefill_leaves_no_half_computed_state() -> None:
 # tiny models
 
 
-@pytest.fixture(scope="module", params=["lfm2", "jamba", "mamba"])
+@pytest.fixture(scope="module", params=["lfm2", "jamba", "mamba", "deepseek4"])
 def recurrent_path(request: pytest.FixtureRequest, smollm2_path: Path) -> Path:
-    """A hybrid of short convolutions and attention, one of Mamba and attention, a pure Mamba."""
+    """A hybrid of short convolutions and attention, one of Mamba and attention, a pure Mamba, and a
+    DeepSeek V4 (attention over a window and over compressed blocks, whose compressors keep a state
+    per sequence; llama.cpp copies its sequences whole only, and so that the two share state)."""
     cache = aiollama.cache_dir() / "test-models"
     if request.param == "lfm2":
         return lfm2_model(cache, smollm2_path)
+    if request.param == "deepseek4":
+        return deepseek4_mtp_model(cache, smollm2_path, agree=False)
     return mamba_model(cache, smollm2_path, layers="mama" if request.param == "jamba" else "mm")
 
 
@@ -229,8 +235,8 @@ async def test_what_a_recurrent_state_cannot_do_is_refused(recurrent_path: Path)
     with pytest.raises(UnsupportedModel, match="recurrent or hybrid.*deterministic"):
         async with Engine(recurrent_path, n_ctx=256, deterministic=True):
             pass
-    if recurrent_path.name.startswith("tiny-lfm2"):
-        return  # its state rolls back: drafts are tested in test_recurrent_drafts
+    if recurrent_path.name.startswith(("tiny-lfm2", "tiny-deepseek4")):
+        return  # their states roll back: drafts are tested in test_recurrent_drafts
     with pytest.raises(UnsupportedModel, match="recurrent or hybrid.*cannot roll back"):
         async with Engine(recurrent_path, n_ctx=256, draft_tokens=4):
             pass

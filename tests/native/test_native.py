@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import first_greedy_tokens
+from tiny_mtp_families import deepseek4_mtp_model
 
+import aiollama
 from aiollama.errors import (
     ClosedError,
     GrammarError,
@@ -453,6 +455,35 @@ def test_partial_seq_cp_on_split_cache(tiny: Model) -> None:
         with pytest.raises(InvalidRequestError, match="unified"):
             ctx.seq_cp(0, 1, 0, 2)
         ctx.seq_cp(0, 1)  # a whole copy is fine
+
+
+def test_a_memory_copied_whole_only_refuses_a_range_and_copies_its_state(smollm2_path: Path) -> None:
+    """DeepSeek V4's memory: llama.cpp asserts (aborting the process) on a range. A range is
+    refused, one that covers the whole sequence is a whole copy (made of the state's bytes: see
+    memory.py), and after it each sequence decodes what it would alone. (That llama.cpp's own copy
+    leaves the two sharing state shows in the engine's forks: tests/core/test_recurrent.py.)"""
+    path = deepseek4_mtp_model(aiollama.cache_dir() / "test-models", smollm2_path, agree=False)
+    prompt = [1, *([504, 3426, 314, 3599, 284] * 6)]
+    def after(ctx: Context, b: Batch, seq_id: int, token: int) -> np.ndarray:
+        b.clear()
+        b.add_tokens([token], len(prompt), seq_id, output_last=True)
+        assert ctx.decode(b) is DecodeStatus.OK
+        return np.frombuffer(ctx.logits_buffer(0), dtype=np.float32).copy()
+
+    with Model(path) as model, Batch(64) as b:
+        with Context(model, n_ctx=1024, n_batch=64, n_seq_max=1) as alone:
+            prefill(alone, b, prompt)
+            expected = after(alone, b, 0, 601)
+        with Context(model, n_ctx=1024, n_batch=64, n_seq_max=3) as ctx:
+            assert ctx.whole_copies
+            prefill(ctx, b, prompt)
+            with pytest.raises(InvalidRequestError, match="whole sequences only"):
+                ctx.seq_cp(0, 1, 0, 10)
+            ctx.seq_cp(0, 1, 0, len(prompt))  # all of it
+            ctx.seq_cp(0, 2)
+            after(ctx, b, 1, 600)  # a copy decodes first
+            assert np.array_equal(after(ctx, b, 0, 601), expected)
+            assert np.array_equal(after(ctx, b, 2, 601), expected)
 
 
 def test_shared_rows_need_unified_cache(tiny: Model) -> None:
