@@ -38,7 +38,8 @@ from aiollama.sched.step import Copy, Op, Remove, Restore, Shift, Slice
 # plain attention cache for the MTP block alone: the recurrent state stays in the target's context,
 # which rolls a rejected draft back like any other (see aiollama.runner.removal) where llama.cpp
 # keeps snapshots for the architecture (not Qwen3-Next's at the pinned tag: check_rollback refuses it).
-MTP_HYBRIDS = frozenset({"qwen3next", "qwen35", "qwen35moe", "qwen4exp", "bailingmoe3", "nemotron_h_moe"})
+# DeepSeek V4's memory counts as hybrid: its compressors keep a state per sequence.
+MTP_HYBRIDS = frozenset({"qwen3next", "qwen35", "qwen35moe", "qwen4exp", "bailingmoe3", "nemotron_h_moe", "deepseek4"})
 
 # The architectures whose MTP graph keeps the hidden states of the entries with logits only, whatever
 # the context asks (llama.cpp at the pinned tag): there every entry asks for logits, so that every

@@ -2,7 +2,8 @@
 Qwen3.5 with an MTP block, and its MoE variant: gated delta nets beside attention; a tiny
 Nemotron-H MoE with one: Mamba-2 layers beside attention; a tiny Bailing-MoE 3 with one: Kimi
 delta attention beside latent attention; a tiny Qwen4-exp with one: gated delta nets beside a
-sparse attention, in hyper-connections), whose recurrent state drops a rejected draft by rolling
+sparse attention, in hyper-connections; a tiny DeepSeek V4 with one: attention over a window and
+compressed blocks, whose compressors keep a state), whose recurrent state drops a rejected draft by rolling
 back within its last decode (llama.cpp's snapshots, ``aiollama.runner.removal``): greedy text
 identical to no drafts, with n-gram drafts, a draft model and MTP drafts, across streams, forks and
 new turns; a model whose state llama.cpp cannot roll back refuses drafts, a request drafting more
@@ -19,7 +20,7 @@ import pytest
 from helpers import gather
 from tiny_model import lfm2_model, mamba_model
 from tiny_mtp import hybrid_mtp_model, qwen35_mtp_model
-from tiny_mtp_families import QWEN4EXP, qwen4exp_mtp_model
+from tiny_mtp_families import DEEPSEEK4, QWEN4EXP, deepseek4_mtp_model, qwen4exp_mtp_model
 
 import aiollama
 from aiollama import Engine, FinishReason
@@ -128,17 +129,20 @@ def mtp_hybrid(smollm2_path: Path, arch: str, agree: bool) -> Path:
     cache = aiollama.cache_dir() / "test-models"
     if arch == QWEN4EXP:
         return qwen4exp_mtp_model(cache, smollm2_path, agree=agree)
+    if arch == DEEPSEEK4:
+        return deepseek4_mtp_model(cache, smollm2_path, agree=agree)
     return hybrid_mtp_model(cache, smollm2_path, arch, agree=agree)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
-@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "nemotron_h_moe", "bailingmoe3", QWEN4EXP])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "nemotron_h_moe", "bailingmoe3", QWEN4EXP, DEEPSEEK4])
 async def test_mtp_drafts_on_a_hybrid_model_give_the_text_without_them(smollm2_path: Path, arch: str,
                                                                        overlap: bool) -> None:
     """Qwen3.5's layout, Qwen3.5-MoE's (experts in every layer and in the MTP block), Nemotron-H
     MoE's (Mamba-2 layers; a head of its own kind), Bailing-MoE 3's (Kimi delta attention beside
-    latent attention) and Qwen4-exp's (hyper-connections, and a sparse attention that attends to
-    the cells an indexer picks among pooled blocks): llama.cpp runs the MTP block in a context of
+    latent attention), Qwen4-exp's (hyper-connections, and a sparse attention that attends to
+    the cells an indexer picks among pooled blocks) and DeepSeek V4's (a window beside compressed
+    blocks, whose compressors keep a state per sequence; hyper-connections): llama.cpp runs the MTP block in a context of
     its own with an attention cache only, the target's recurrent state rolls back what the head
     guessed wrong."""
     unbiased = {**GREEDY, "logit_bias": {}}
@@ -170,7 +174,7 @@ async def test_mtp_on_qwen3_next_is_refused_where_llama_cpp_cannot_roll_its_stat
     assert stats.drafted_tokens == 0
 
 
-@pytest.mark.parametrize("drafts", ["n-gram", "mtp", "mtp-nemotron", "mtp-bailing", "mtp-qwen4exp"])
+@pytest.mark.parametrize("drafts", ["n-gram", "mtp", "mtp-nemotron", "mtp-bailing", "mtp-qwen4exp", "mtp-deepseek4"])
 async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives(drafts: str, smollm2_path: Path,
                                                                                  request: pytest.FixtureRequest) -> None:
     """A fork or a new turn copies (or shares) the state a drafted step left, rollback and all:
@@ -182,7 +186,8 @@ async def test_forks_and_turns_after_drafts_give_what_a_fresh_conversation_gives
         ending: dict[str, Any] = {**GREEDY, "ignore_eos": False, "logit_bias": {**BIAS, END: 38.0}}
         cases = [(PROMPTS[0], {**GREEDY, "max_tokens": n}) for n in range(6, 30, 2)]
     else:
-        arch = {"mtp": "qwen35", "mtp-nemotron": "nemotron_h_moe", "mtp-bailing": "bailingmoe3"}.get(drafts, QWEN4EXP)
+        arch = {"mtp": "qwen35", "mtp-nemotron": "nemotron_h_moe", "mtp-bailing": "bailingmoe3",
+                "mtp-qwen4exp": QWEN4EXP, "mtp-deepseek4": DEEPSEEK4}[drafts]
         model = mtp_hybrid(smollm2_path, arch, False)
         options = {"mtp": True}
         ending, cases = {**GREEDY, "ignore_eos": False, "logit_bias": {END: 35.0}}, []

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from tiny_model import bert_model, lfm2_model, mamba_model
 from tiny_mtp import bailing_mtp_model, mtp_model, nemotron_mtp_model, qwen35_mtp_model
-from tiny_mtp_families import qwen4exp_mtp_model
+from tiny_mtp_families import deepseek4_mtp_model, qwen4exp_mtp_model
 
 import aiollama
 from aiollama import Engine, ModelEntry, ModelSet, plan
@@ -48,14 +48,16 @@ def models(tiny_path: Path, smollm2_path: Path) -> dict[str, tuple[Path, dict[st
             "bailing mtp": (bailing_mtp_model(cache, smollm2_path, agree=False),
                             {"n_ctx": 512, "n_seq_max": 2, "mtp": True}),
             "qwen4exp mtp": (qwen4exp_mtp_model(cache, smollm2_path, agree=False),
-                             {"n_ctx": 512, "n_seq_max": 2, "mtp": True})}
+                             {"n_ctx": 512, "n_seq_max": 2, "mtp": True}),
+            "deepseek4 mtp": (deepseek4_mtp_model(cache, smollm2_path, agree=False),
+                              {"n_ctx": 512, "n_seq_max": 2, "mtp": True})}
 
 
-HYBRID_MTP = ("hybrid mtp", "hybrid moe mtp", "nemotron mtp", "bailing mtp", "qwen4exp mtp")
+HYBRID_MTP = ("hybrid mtp", "hybrid moe mtp", "nemotron mtp", "bailing mtp", "qwen4exp mtp", "deepseek4 mtp")
 
 
 @pytest.mark.parametrize("name", ["chat", "unified", "embedding", "recurrent", "hybrid drafts", "mtp", "hybrid mtp",
-                                  "hybrid moe mtp", "nemotron mtp", "bailing mtp", "qwen4exp mtp"])
+                                  "hybrid moe mtp", "nemotron mtp", "bailing mtp", "qwen4exp mtp", "deepseek4 mtp"])
 async def test_the_plan_agrees_with_what_the_engine_holds(models: dict[str, Any], name: str) -> None:
     path, options = models[name]
     planned = plan(path, **options)
