@@ -38,13 +38,14 @@ def weights(seed: int, agree: bool) -> Callable[..., np.ndarray]:
     return weight
 
 
-def add_nextn(writer: GGUFWriter, p: str, n_embd: int, weight: Callable[..., np.ndarray], agree: bool) -> None:
-    """The NextN block's own tensors: the norms of the token's embedding and of the hidden state,
-    and the projection of [the embedding | the state] to the width, which the agreeing head keeps
-    the embedding only of."""
+def add_nextn(writer: GGUFWriter, p: str, n_embd: int, weight: Callable[..., np.ndarray], agree: bool,
+              streams: int = 1) -> None:
+    """The NextN block's own tensors: the norms of the token's embedding and of the hidden state
+    (of each of its ``streams``, where hyper-connections widen it), and the projection of [the
+    embedding | the state] to the width, which the agreeing head keeps the embedding only of."""
     ones = np.ones(n_embd, dtype=np.float32)
     writer.add_tensor(p + "nextn.enorm.weight", ones)
-    writer.add_tensor(p + "nextn.hnorm.weight", ones)
+    writer.add_tensor(p + "nextn.hnorm.weight", ones if streams == 1 else np.ones((streams, n_embd), dtype=np.float32))
     eh = weight(n_embd, 2 * n_embd)
     if agree:
         eh = np.hstack([np.eye(n_embd, dtype=np.float32), np.zeros((n_embd, n_embd), dtype=np.float32)])
@@ -61,6 +62,20 @@ def add_experts(writer: GGUFWriter, p: str, weight: Callable[..., np.ndarray], n
     writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
     writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
     writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
+    writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
+    writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
+    writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
+
+
+def add_gated_experts(writer: GGUFWriter, p: str, weight: Callable[..., np.ndarray], n_embd: int, n_expert: int,
+                      n_ff_exp: int) -> None:
+    """A mixture of ``n_expert`` experts beside a shared one whose output a gate of its own scales
+    (the Qwen hybrids' feed-forward)."""
+    writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
+    writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+    writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
+    writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
+    writer.add_tensor(p + "ffn_gate_inp_shexp.weight", weight(n_embd))
     writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
     writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
     writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
@@ -228,14 +243,7 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
         else:
             attention(p)
         if moe:
-            writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
-            writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
-            writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
-            writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
-            writer.add_tensor(p + "ffn_gate_inp_shexp.weight", weight(n_embd))
-            writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
-            writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
-            writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
+            add_gated_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
         else:
             writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
             writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))

@@ -22,12 +22,13 @@ random one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter
 from tiny_model import add_fields, finish
-from tiny_mtp import add_experts, add_nextn, add_ssm_and_vocab, cached_mtp, open_hybrid, weights
+from tiny_mtp import add_experts, add_gated_experts, add_nextn, add_ssm_and_vocab, cached_mtp, open_hybrid, weights
 
 DEEPSEEK2 = "deepseek2"
 DEEPSEEK32 = "deepseek32"
@@ -58,6 +59,32 @@ def add_shape(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab:
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(0)  # all F32
     add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
+
+
+def add_ends(writer: GGUFWriter, weight: Callable[..., np.ndarray], n_vocab: int, n_embd: int) -> np.ndarray:
+    """The token embeddings, the output norm and the output projection (not tied: the next token is
+    not this one); returns the norms' weights (ones)."""
+    ones = np.ones(n_embd, dtype=np.float32)
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    return ones
+
+
+def add_dense(writer: GGUFWriter, p: str, weight: Callable[..., np.ndarray], n_embd: int, n_ff: int) -> None:
+    """A dense gated feed-forward."""
+    writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
+    writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
+    writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
+
+
+def finish_head(writer: GGUFWriter, tmp: Path, path: Path, p: str, weight: Callable[..., np.ndarray], agree: bool,
+                n_embd: int) -> Path:
+    """The MTP block's own tensors (at ``p``) and the norm it ends with, then the file put in place."""
+    add_nextn(writer, p, n_embd, weight, agree)
+    writer.add_tensor(p + "nextn.shared_head_norm.weight", np.ones(n_embd, dtype=np.float32))
+    finish(writer, tmp, path)
+    return path
 
 
 def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, arch: str = DEEPSEEK32,
@@ -94,11 +121,7 @@ def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
     add_shape(writer, arch, fields, n_vocab, n_embd=n_embd, n_head=n_head, n_expert=n_expert, n_ff=n_ff,
               n_ff_exp=n_ff_exp)
     weight = weights(41 if agree else 43, agree)
-    ones = np.ones(n_embd, dtype=np.float32)
-
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
-    writer.add_tensor("output_norm.weight", ones)
-    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    ones = add_ends(writer, weight, n_vocab, n_embd)
     for i in range(n_trunk + 1):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", ones)
@@ -118,16 +141,10 @@ def write_deepseek_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
             writer.add_tensor(p + "indexer.attn_q_b.weight", weight(indexer_heads * indexer_dim, q_lora_rank))
         writer.add_tensor(p + "ffn_norm.weight", ones)
         if i == 0:  # the leading dense layer
-            writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
-            writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
-            writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
+            add_dense(writer, p, weight, n_embd, n_ff)
         else:
             add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
-    p = f"blk.{n_trunk}."
-    add_nextn(writer, p, n_embd, weight, agree)
-    writer.add_tensor(p + "nextn.shared_head_norm.weight", ones)
-    finish(writer, tmp, path)
-    return path
+    return finish_head(writer, tmp, path, f"blk.{n_trunk}.", weight, agree, n_embd)
 
 
 def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, arch: str = STEP35, n_embd: int = 64,
@@ -161,11 +178,7 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
     add_shape(writer, arch, fields, n_vocab, n_embd=n_embd, n_head=n_head, n_expert=n_expert, n_ff=n_ff,
               n_ff_exp=n_ff_exp)
     weight = weights(47 if agree else 53, agree)
-    ones = np.ones(n_embd, dtype=np.float32)
-
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
-    writer.add_tensor("output_norm.weight", ones)
-    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    ones = add_ends(writer, weight, n_vocab, n_embd)
     for i in range(len(layers) + 1):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", ones)
@@ -185,9 +198,7 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
         if arch != COHERE2MOE:
             writer.add_tensor(p + "ffn_norm.weight", ones)
         if i == 0 or (arch == MIMO2 and i == len(layers)):  # MiMo-V2's head is dense too
-            writer.add_tensor(p + "ffn_gate.weight", weight(n_ff, n_embd))
-            writer.add_tensor(p + "ffn_up.weight", weight(n_ff, n_embd))
-            writer.add_tensor(p + "ffn_down.weight", weight(n_embd, n_ff, out=True))
+            add_dense(writer, p, weight, n_embd, n_ff)
         elif arch != MIMO2:
             # Hunyuan V3's selection bias has no suffix, Cohere's experts none
             bias = {STEP35: "exp_probs_b.bias", HY_V3: "exp_probs_b"}.get(arch)
@@ -198,11 +209,7 @@ def write_window_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
             writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
             writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
             writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
-    p = f"blk.{len(layers)}."
-    add_nextn(writer, p, n_embd, weight, agree)
-    writer.add_tensor(p + "nextn.shared_head_norm.weight", ones)
-    finish(writer, tmp, path)
-    return path
+    return finish_head(writer, tmp, path, f"blk.{len(layers)}.", weight, agree, n_embd)
 
 
 def family_mtp_model(cache: Path, tokenizer_source: Path, arch: str, *, agree: bool) -> Path:
@@ -293,21 +300,9 @@ def write_qwen4exp_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool,
             writer.add_tensor(p + "indexer.k_proj.weight", weight(indexer_dim, n_embd))
             writer.add_tensor(p + "indexer.q_norm.weight", np.ones(indexer_dim, dtype=np.float32))
             writer.add_tensor(p + "indexer.k_norm.weight", np.ones(indexer_dim, dtype=np.float32))
-        writer.add_tensor(p + "ffn_gate_inp.weight", weight(n_expert, n_embd))
-        writer.add_tensor(p + "ffn_gate_exps.weight", weight(n_expert, n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_up_exps.weight", weight(n_expert, n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_down_exps.weight", weight(n_expert, n_embd, n_ff_exp, out=True))
-        writer.add_tensor(p + "ffn_gate_inp_shexp.weight", weight(n_embd))
-        writer.add_tensor(p + "ffn_gate_shexp.weight", weight(n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_up_shexp.weight", weight(n_ff_exp, n_embd))
-        writer.add_tensor(p + "ffn_down_shexp.weight", weight(n_embd, n_ff_exp, out=True))
+        add_gated_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
         if kind == "m":
-            eh = weight(n_embd, 2 * n_embd)
-            if agree:
-                eh = np.hstack([np.eye(n_embd, dtype=np.float32), np.zeros((n_embd, n_embd), dtype=np.float32)])
-            writer.add_tensor(p + "nextn.eh_proj.weight", eh)
-            writer.add_tensor(p + "nextn.enorm.weight", np.ones(n_embd, dtype=np.float32))
-            writer.add_tensor(p + "nextn.hnorm.weight", np.ones((hc, n_embd), dtype=np.float32))
+            add_nextn(writer, p, n_embd, weight, agree, streams=hc)
             for name, value in (head if agree else mixer_parts()).items():
                 writer.add_tensor(p + f"nextn.hc_head_{name}.weight", value)
     finish(writer, tmp, path)
@@ -356,11 +351,7 @@ def write_deepseek4_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool
     add_shape(writer, arch, fields, n_vocab, n_embd=n_embd, n_head=n_head, n_expert=n_expert, n_ff=n_ff_exp,
               n_ff_exp=n_ff_exp, gating=4)  # the square root of a softplus
     weight = weights(67 if agree else 71, agree)
-    ones = np.ones(n_embd, dtype=np.float32)
-
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
-    writer.add_tensor("output_norm.weight", ones)
-    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    ones = add_ends(writer, weight, n_vocab, n_embd)
     writer.add_tensor("output_hc_fn.weight", weight(hc, hc_dim))
     writer.add_tensor("output_hc_base.weight", np.zeros(hc, dtype=np.float32))
     writer.add_tensor("output_hc_scale.weight", np.ones(1, dtype=np.float32))
@@ -394,11 +385,7 @@ def write_deepseek4_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool
             writer.add_tensor(p + "indexer_compressor_norm.weight", np.ones(indexer_dim, dtype=np.float32))
         writer.add_tensor(p + "ffn_norm.weight", ones)
         add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
-    p = f"blk.{len(ratios)}."
-    add_nextn(writer, p, n_embd, weight, agree)
-    writer.add_tensor(p + "nextn.shared_head_norm.weight", ones)
-    finish(writer, tmp, path)
-    return path
+    return finish_head(writer, tmp, path, f"blk.{len(ratios)}.", weight, agree, n_embd)
 
 
 def deepseek4_mtp_model(cache: Path, tokenizer_source: Path, *, agree: bool) -> Path:
