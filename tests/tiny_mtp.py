@@ -52,6 +52,16 @@ def add_nextn(writer: GGUFWriter, p: str, n_embd: int, weight: Callable[..., np.
     writer.add_tensor(p + "nextn.eh_proj.weight", eh)
 
 
+def add_ends(writer: GGUFWriter, weight: Callable[..., np.ndarray], n_vocab: int, n_embd: int) -> np.ndarray:
+    """The token embeddings, the output norm and the output projection (not tied: the next token is
+    not this one); returns the norms' weights (ones)."""
+    ones = np.ones(n_embd, dtype=np.float32)
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    return ones
+
+
 def add_experts(writer: GGUFWriter, p: str, weight: Callable[..., np.ndarray], n_embd: int, n_expert: int,
                 n_ff_exp: int, bias: str | None = "exp_probs_b.bias") -> None:
     """A mixture of ``n_expert`` experts with a bias on their selection (the tensor ``bias``; None:
@@ -113,11 +123,7 @@ def write_mtp_model(path: Path, tokenizer_source: Path | None, *, agree: bool, t
     add_fields(writer, tokenizer or {})
     weight = weights(11 if agree else 13, agree)
 
-    ones = np.ones(n_embd, dtype=np.float32)
-    # numpy shape (rows, cols) is ggml ne = [cols, rows]
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
-    writer.add_tensor("output_norm.weight", ones)
-    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))  # not tied: next token != this one
+    ones = add_ends(writer, weight, n_vocab, n_embd)  # numpy shape (rows, cols) is ggml ne = [cols, rows]
     for i in range(n_trunk + n_nextn):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", ones)
@@ -219,10 +225,7 @@ def write_qwen35_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, a
         writer.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
         writer.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
 
-    ones = np.ones(n_embd, dtype=np.float32)
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
-    writer.add_tensor("output_norm.weight", ones)
-    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    ones = add_ends(writer, weight, n_vocab, n_embd)
     for i, kind in enumerate(layers + "m"):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", ones)
@@ -405,9 +408,7 @@ def write_bailing_mtp_model(path: Path, tokenizer_source: Path, *, agree: bool, 
         writer.add_tensor(p + "ffn_norm.weight", ones)
         add_experts(writer, p, weight, n_embd, n_expert, n_ff_exp)
 
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
-    writer.add_tensor("output_norm.weight", ones)
-    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
+    add_ends(writer, weight, n_vocab, n_embd)
     for i, kind in enumerate(layers):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", ones)

@@ -28,7 +28,16 @@ from pathlib import Path
 import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter
 from tiny_model import add_fields, finish
-from tiny_mtp import add_experts, add_gated_experts, add_nextn, add_ssm_and_vocab, cached_mtp, open_hybrid, weights
+from tiny_mtp import (
+    add_ends,
+    add_experts,
+    add_gated_experts,
+    add_nextn,
+    add_ssm_and_vocab,
+    cached_mtp,
+    open_hybrid,
+    weights,
+)
 
 DEEPSEEK2 = "deepseek2"
 DEEPSEEK32 = "deepseek32"
@@ -59,16 +68,6 @@ def add_shape(writer: GGUFWriter, arch: str, fields: dict[str, object], n_vocab:
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(0)  # all F32
     add_fields(writer, {k: f.contents() for k, f in fields.items()})  # type: ignore[attr-defined]
-
-
-def add_ends(writer: GGUFWriter, weight: Callable[..., np.ndarray], n_vocab: int, n_embd: int) -> np.ndarray:
-    """The token embeddings, the output norm and the output projection (not tied: the next token is
-    not this one); returns the norms' weights (ones)."""
-    ones = np.ones(n_embd, dtype=np.float32)
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
-    writer.add_tensor("output_norm.weight", ones)
-    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=1.0))
-    return ones
 
 
 def add_dense(writer: GGUFWriter, p: str, weight: Callable[..., np.ndarray], n_embd: int, n_ff: int) -> None:
