@@ -222,23 +222,20 @@ class _Answer:
         then each task's final result; an error event if the engine fails."""
         native = self.native
 
-        def event(payload: dict[str, Any]) -> str:
-            return data_event(payload)
-
         try:
             async with stream_items([t.stream for t in self.tasks], self.started, self.state) as items:
                 async for i, item in items:
                     task = self.tasks[i]
                     if isinstance(item, AiollamaError):
-                        yield event(translate(item).llama_body())
+                        yield data_event(translate(item).llama_body())
                         break
                     if item is None:
-                        yield event(await self.final(task))
+                        yield data_event(await self.final(task))
                         continue
                     if item.progress is not None:
                         progress = task.clock.progress(item.progress)
                         if native.return_progress:
-                            yield event(partial_result(
+                            yield data_event(partial_result(
                                 index=task.index, id_slot=self.id_slot, text="", tokens=[], n_predicted=0,
                                 n_prompt=len(task.prompt), progress=progress,
                                 timings=task.clock.timings() if native.timings_per_token else None))
@@ -246,7 +243,7 @@ class _Answer:
                     task.clock.tokens(len(item.tokens))
                     task.predicted += len(item.tokens)
                     probs = probabilities(item.logprobs, self.engine.token_bytes) if native.n_probs else None
-                    yield event(partial_result(
+                    yield data_event(partial_result(
                         index=task.index, id_slot=self.id_slot, text=item.text, tokens=list(item.tokens),
                         n_predicted=task.predicted, n_prompt=len(task.prompt), probs=probs,
                         timings=task.clock.timings() if native.timings_per_token else None))
