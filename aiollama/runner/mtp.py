@@ -188,7 +188,8 @@ class MtpDrafter:
                 self._forget(seq_id)
                 e = self._seqs[seq_id] = _Entries(p)
             before = e.last[None, :] if e.last is not None else np.zeros((1, self.width), np.float32)
-            e.states.append(np.concatenate([before, states[row:row + len(new) - 1]]))
+            # one token (most steps): its entry pairs it with the last state, a copy already held
+            e.states.append(before if len(new) == 1 else np.concatenate([before, states[row:row + len(new) - 1]]))
             e.queued.extend(new)
             e.last = states[row + len(new) - 1].copy()
             if len(e.queued) >= QUEUE_ROWS:
