@@ -625,16 +625,93 @@ static inline float aiollama_block_max(const float * x) {
     return m;
 }
 
+/* The largest of each of the first n_blocks blocks of 64 logits, into maxima; 0 if the row holds
+   a NaN (the maxima are then of no use). One pass over the row, four at a time with SSE2. */
+static int aiollama_block_maxima(const float * logits, int32_t n_blocks, float * maxima) {
+#if defined(__SSE2__)
+    __m128 nan = _mm_setzero_ps();
+    for (int32_t blk = 0; blk < n_blocks; ++blk) {
+        const float * x = logits + (size_t) blk * AIOLLAMA_BLOCK;
+        __m128 a = _mm_loadu_ps(x), b = _mm_loadu_ps(x + 4), c = _mm_loadu_ps(x + 8), d = _mm_loadu_ps(x + 12);
+        nan = _mm_or_ps(nan, _mm_or_ps(_mm_cmpunord_ps(a, b), _mm_cmpunord_ps(c, d)));
+        for (int i = 16; i < AIOLLAMA_BLOCK; i += 16) {
+            const __m128 e = _mm_loadu_ps(x + i), f = _mm_loadu_ps(x + i + 4);
+            const __m128 g = _mm_loadu_ps(x + i + 8), h = _mm_loadu_ps(x + i + 12);
+            nan = _mm_or_ps(nan, _mm_or_ps(_mm_cmpunord_ps(e, f), _mm_cmpunord_ps(g, h)));
+            a = _mm_max_ps(a, e);
+            b = _mm_max_ps(b, f);
+            c = _mm_max_ps(c, g);
+            d = _mm_max_ps(d, h);
+        }
+        __m128 m = _mm_max_ps(_mm_max_ps(a, b), _mm_max_ps(c, d));
+        m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+        m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+        maxima[blk] = _mm_cvtss_f32(m);
+    }
+    return _mm_movemask_ps(nan) == 0;
+#else
+    for (int32_t blk = 0; blk < n_blocks; ++blk) {
+        const float * x = logits + (size_t) blk * AIOLLAMA_BLOCK;
+        float m = x[0];
+        for (int i = 0; i < AIOLLAMA_BLOCK; ++i) {
+            if (x[i] != x[i]) {
+                return 0;
+            }
+            m = x[i] > m ? x[i] : m;
+        }
+        maxima[blk] = m;
+    }
+    return 1;
+#endif
+}
+
+/* The k-th largest of n values (k <= n, k <= AIOLLAMA_FLOOR_MAX; no NaN among them). */
+#define AIOLLAMA_FLOOR_MAX 256
+static float aiollama_kth_largest(const float * values, int32_t n, int32_t k) {
+    float top[AIOLLAMA_FLOOR_MAX];
+    int32_t m = 0;
+    for (int32_t i = 0; i < n; ++i) {
+        const float x = values[i];
+        if (m == k && !(x > top[k - 1])) {
+            continue;
+        }
+        int32_t j = m < k ? m++ : k - 1;
+        while (j > 0 && top[j - 1] < x) {
+            top[j] = top[j - 1];
+            --j;
+        }
+        top[j] = x;
+    }
+    return top[k - 1];
+}
+
 /* The K largest logits of a row, largest first (ties: lower id first), into out[0..K): the
    candidates a chain that starts with top-k (or greedy, K = 1) keeps anyway, found without
    building and sorting an array of the whole vocabulary. Once K are held, a block of 64 whose
-   largest is not above the K-th is passed over whole (none of it could enter). */
-static int32_t aiollama_top_k(const float * logits, int32_t n_vocab, int32_t k, llama_token_data * out) {
+   largest is not above the K-th is passed over whole (none of it could enter).
+   With maxima (room for a float per whole block) and a row without NaN, one pass first takes
+   each block's largest: the K-th largest of those is a floor that the K-th largest logit reaches
+   (the K blocks' largest are K logits at or above it), so a block whose largest is below it holds
+   none of the K and is passed over from the start, not only once the K held rise that high. The
+   blocks left are read in order as before: the same K, in the same order. */
+static int32_t aiollama_top_k(const float * logits, int32_t n_vocab, int32_t k, llama_token_data * out,
+                              float * maxima) {
+    const int32_t n_blocks = n_vocab / AIOLLAMA_BLOCK;
+    const int use = maxima != NULL && k <= n_blocks && k <= AIOLLAMA_FLOOR_MAX
+                    && aiollama_block_maxima(logits, n_blocks, maxima);
+    const float floor = use ? aiollama_kth_largest(maxima, n_blocks, k) : 0.0f;
     int32_t m = 0;
     for (int32_t start = 0; start < n_vocab; start += AIOLLAMA_BLOCK) {
         const int32_t end = start + AIOLLAMA_BLOCK <= n_vocab ? start + AIOLLAMA_BLOCK : n_vocab;
-        if (m == k && end - start == AIOLLAMA_BLOCK && aiollama_block_max(logits + start) <= out[k - 1].logit) {
-            continue;
+        if (end - start == AIOLLAMA_BLOCK) {
+            if (use) {
+                const float top = maxima[start / AIOLLAMA_BLOCK];
+                if (top < floor || (m == k && top <= out[k - 1].logit)) {
+                    continue;
+                }
+            } else if (m == k && aiollama_block_max(logits + start) <= out[k - 1].logit) {
+                continue;
+            }
         }
         for (int32_t id = start; id < end; ++id) {
             const float x = logits[id];
@@ -654,8 +731,9 @@ static int32_t aiollama_top_k(const float * logits, int32_t n_vocab, int32_t k, 
     return m;
 }
 
-/* Each thread's candidate array, kept between calls and freed when the thread ends. */
-struct aiollama_scratch { size_t size; llama_token_data data[]; };
+/* Each thread's scratch memory (the candidates, and the block maxima after them), kept between
+   calls and freed when the thread ends. */
+struct aiollama_scratch { size_t size; double data[]; };
 static pthread_key_t aiollama_scratch_key;
 static pthread_once_t aiollama_scratch_once = PTHREAD_ONCE_INIT;
 
@@ -663,16 +741,15 @@ static void aiollama_scratch_init(void) {
     (void) pthread_key_create(&aiollama_scratch_key, free);
 }
 
-static llama_token_data * aiollama_candidates(size_t n) {
+static void * aiollama_scratch(size_t bytes) {
     (void) pthread_once(&aiollama_scratch_once, aiollama_scratch_init);
     struct aiollama_scratch * s = (struct aiollama_scratch *) pthread_getspecific(aiollama_scratch_key);
-    if (s == NULL || s->size < n) {
-        struct aiollama_scratch * grown = (struct aiollama_scratch *) realloc(
-            s, sizeof(struct aiollama_scratch) + n * sizeof(llama_token_data));
+    if (s == NULL || s->size < bytes) {
+        struct aiollama_scratch * grown = (struct aiollama_scratch *) realloc(s, sizeof(struct aiollama_scratch) + bytes);
         if (grown == NULL) {
             return NULL;
         }
-        grown->size = n;
+        grown->size = bytes;
         s = grown;
         (void) pthread_setspecific(aiollama_scratch_key, s);
     }
@@ -686,13 +763,15 @@ static llama_token_data * aiollama_candidates(size_t n) {
 static llama_token aiollama_sample_one(struct llama_sampler * chain, const float * logits, int32_t n_vocab,
                                        int32_t top_k) {
     const int32_t n = top_k > 0 && top_k < n_vocab ? top_k : n_vocab;
-    llama_token_data * cur = aiollama_candidates((size_t) n);
+    const size_t n_blocks = n < n_vocab ? (size_t) (n_vocab / AIOLLAMA_BLOCK) : 0;
+    llama_token_data * cur = (llama_token_data *) aiollama_scratch(
+        (size_t) n * sizeof(llama_token_data) + n_blocks * sizeof(float));
     if (cur == NULL) {
         return -1;
     }
     llama_token_data_array cur_p = { cur, (size_t) n, -1, false };
     if (n < n_vocab) {
-        cur_p.size = (size_t) aiollama_top_k(logits, n_vocab, n, cur);
+        cur_p.size = (size_t) aiollama_top_k(logits, n_vocab, n, cur, (float *) (cur + n));
         cur_p.sorted = true;
     } else {
         for (int32_t id = 0; id < n_vocab; ++id) {

@@ -229,8 +229,9 @@ def test_sampler_clone_keeps_state(ctx: Context, batch: Batch) -> None:
 
 
 def test_the_fast_path_keeps_the_top_k_of_any_row(tiny: Model) -> None:
-    """Rows that defeat skipping blocks of logits (rising values, ties, NaNs before a larger value
-    in a block, -inf) give what building the whole row gives. (Among more than k tied logits the
+    """Rows that defeat skipping blocks of logits (rising or falling values, ties, NaNs before a
+    larger value in a block, -inf, the largest spread one a block or at the row's end) give what
+    building the whole row gives. (Among more than k tied logits the
     two paths keep different ones: llama.cpp's top-k does not order ties; only greedy is compared.)"""
     n = tiny.vocab.n_tokens
     rng = np.random.default_rng(0)
@@ -242,11 +243,16 @@ def test_the_fast_path_keeps_the_top_k_of_any_row(tiny: Model) -> None:
     nans[70] = np.nan
     sparse = np.full(n, -np.inf, dtype=np.float32)
     sparse[rng.choice(n, 50, replace=False)] = rng.standard_normal(50).astype(np.float32)
+    falling = np.arange(n, 0, -1, dtype=np.float32)  # the first block holds them all
+    spread = rng.standard_normal(n).astype(np.float32)  # the largest one a block, the K-th's block in the middle
+    spread[64 * rng.choice(n // 64, 60, replace=False) + rng.integers(0, 64, 60)] = 10.0 + rng.random(60, dtype=np.float32)
+    last_ones = rng.standard_normal(n).astype(np.float32)
+    last_ones[-45:] = 20.0 + np.arange(45, dtype=np.float32)  # at the row's end
     with Context(tiny, n_ctx=64, n_batch=64) as ctx, Batch(64) as b:
         last = b.add_tokens(tiny.vocab.tokenize("Once upon a time"), 0, 0, output_last=True)
         assert ctx.decode(b) is DecodeStatus.OK
         row = np.frombuffer(ctx.logits_buffer(last), dtype=np.float32)
-        for values in (rising, ties, nans, sparse):
+        for values in (rising, ties, nans, sparse, falling, spread, last_ones):
             row[:] = values
             for k in (1,) if values is ties else (1, 40):
                 picks = []
