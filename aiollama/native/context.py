@@ -245,6 +245,13 @@ class Context(Handle, MemoryOps):
             raise InvalidOutputError(f"batch row {idx} has no logits from the last decode (rows with logits: {shown})")
         return idx
 
+    def check_outputs(self, rows: Sequence[int]) -> None:
+        """:meth:`check_output` of each of ``rows``, in one look where all are ints with logits."""
+        self._get()
+        if not (all(type(r) is int for r in rows) and self._outputs.issuperset(rows)):
+            for idx in rows:
+                self.check_output(idx)
+
     def set_causal(self, causal: bool) -> None:
         """Causal attention (the default), or attention over every position of the ubatch for the
         decodes that follow (the pictures of some projectors are decoded so)."""

@@ -221,13 +221,15 @@ def sample_rows(ctx: Context, chains: Sequence[SamplerChain], rows: Sequence[int
         raise ValueError("one chain (and one top_k) per row")
     if len({id(c) for c in chains}) != len(chains):
         raise ValueError("the chains must be distinct: a chain samples one row at a time")
-    for idx in rows:
-        ctx.check_output(idx)
+    ctx.check_outputs(rows)
     n = len(rows)
     if n == 0:
         return []
     out = ffi.new("int32_t[]", n)
-    ks = ffi.NULL if top_k is None else ffi.new("int32_t[]", [integer("top_k", k, low=0) for k in top_k])
+    if top_k is not None and not all(type(k) is int and k >= 0 for k in top_k):
+        for k in top_k:
+            integer("top_k", k, low=0)
+    ks = ffi.NULL if top_k is None else ffi.new("int32_t[]", list(top_k))
     lib.aiollama_sample_rows(ctx._get(), ffi.new("struct llama_sampler *[]", [c._get() for c in chains]),
                              ffi.new("int32_t[]", list(rows)), ks, n, integer("threads", threads, low=1), out)
     tokens = list(out)
