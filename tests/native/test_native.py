@@ -307,6 +307,10 @@ def test_sample_rows_equals_each_row_alone(tiny: Model) -> None:
             sample_rows(ctx, [chain, chain], [last, last])
         with pytest.raises(InvalidOutputError):
             sample_rows(ctx, [chain], [0])
+        with pytest.raises(InvalidRequestError, match="idx"):
+            sample_rows(ctx, [chain], [float(last)])
+        with pytest.raises(InvalidRequestError, match="top_k"):
+            sample_rows(ctx, [chain], [last], 1, [-1])
         assert sample_rows(ctx, [], []) == []
     with SamplerChain(vocab) as chain:  # something before top-k reads the whole row: no fast path
         assert chain.add_logit_bias({5: 1.0}).add_top_k(40).fast_k == 0
