@@ -1,6 +1,7 @@
 """The decode thread's own cost per step, in microseconds: per step and per stream.
 
-    pip install ".[bench]" && python benchmarks/overhead.py             # about a minute
+    pip install ".[bench]" && python benchmarks/overhead.py             # more than 25 minutes on 2 cores
+    python benchmarks/overhead.py --no-models                           # under a minute: parts 1 and 3
 
 1. The engine alone: an executor that decodes nothing and answers every row at once (no model),
    so each step's time is the engine's: planning, the finish rules, delivery to the event loop,
