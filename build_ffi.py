@@ -665,10 +665,10 @@ static int aiollama_block_maxima(const float * logits, int32_t n_blocks, float *
 #endif
 }
 
-/* The k-th largest of n values (k <= n, k <= AIOLLAMA_FLOOR_MAX; no NaN among them). */
-#define AIOLLAMA_FLOOR_MAX 256
+/* The k-th largest of n values (k <= n, k <= AIOLLAMA_CUTOFF_MAX; no NaN among them). */
+#define AIOLLAMA_CUTOFF_MAX 256
 static float aiollama_kth_largest(const float * values, int32_t n, int32_t k) {
-    float top[AIOLLAMA_FLOOR_MAX];
+    float top[AIOLLAMA_CUTOFF_MAX];
     int32_t m = 0;
     for (int32_t i = 0; i < n; ++i) {
         const float x = values[i];
@@ -690,23 +690,23 @@ static float aiollama_kth_largest(const float * values, int32_t n, int32_t k) {
    building and sorting an array of the whole vocabulary. Once K are held, a block of 64 whose
    largest is not above the K-th is passed over whole (none of it could enter).
    With maxima (room for a float per whole block) and a row without NaN, one pass first takes
-   each block's largest: the K-th largest of those is a floor that the K-th largest logit reaches
+   each block's largest: the K-th largest of those is a cutoff that the K-th largest logit reaches
    (the K blocks' largest are K logits at or above it), so a block whose largest is below it holds
    none of the K and is passed over from the start, not only once the K held rise that high. The
    blocks left are read in order as before: the same K, in the same order. */
 static int32_t aiollama_top_k(const float * logits, int32_t n_vocab, int32_t k, llama_token_data * out,
                               float * maxima) {
     const int32_t n_blocks = n_vocab / AIOLLAMA_BLOCK;
-    const int use = maxima != NULL && k <= n_blocks && k <= AIOLLAMA_FLOOR_MAX
+    const int use = maxima != NULL && k <= n_blocks && k <= AIOLLAMA_CUTOFF_MAX
                     && aiollama_block_maxima(logits, n_blocks, maxima);
-    const float floor = use ? aiollama_kth_largest(maxima, n_blocks, k) : 0.0f;
+    const float cutoff = use ? aiollama_kth_largest(maxima, n_blocks, k) : 0.0f;
     int32_t m = 0;
     for (int32_t start = 0; start < n_vocab; start += AIOLLAMA_BLOCK) {
         const int32_t end = start + AIOLLAMA_BLOCK <= n_vocab ? start + AIOLLAMA_BLOCK : n_vocab;
         if (end - start == AIOLLAMA_BLOCK) {
             if (use) {
                 const float top = maxima[start / AIOLLAMA_BLOCK];
-                if (top < floor || (m == k && top <= out[k - 1].logit)) {
+                if (top < cutoff || (m == k && top <= out[k - 1].logit)) {
                     continue;
                 }
             } else if (m == k && aiollama_block_max(logits + start) <= out[k - 1].logit) {
