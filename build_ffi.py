@@ -591,39 +591,7 @@ static void aiollama_log_install(int min_level) {
     mtmd_helper_log_set(aiollama_log_trampoline, NULL);
 }
 
-/* The largest of 64 logits (with SSE2 four at a time), or NaN where the block holds one that
-   could hide a larger value: the caller then looks at each. */
 #define AIOLLAMA_BLOCK 64
-static inline float aiollama_block_max(const float * x) {
-#if defined(__SSE2__)
-    /* maxps gives its second operand when either is NaN: a NaN read later is dropped (it never
-       enters a top-k), one in the first loads stays and makes the result NaN */
-    __m128 a = _mm_loadu_ps(x), b = _mm_loadu_ps(x + 4), c = _mm_loadu_ps(x + 8), d = _mm_loadu_ps(x + 12);
-    for (int i = 16; i < AIOLLAMA_BLOCK; i += 16) {
-        a = _mm_max_ps(_mm_loadu_ps(x + i), a);
-        b = _mm_max_ps(_mm_loadu_ps(x + i + 4), b);
-        c = _mm_max_ps(_mm_loadu_ps(x + i + 8), c);
-        d = _mm_max_ps(_mm_loadu_ps(x + i + 12), d);
-    }
-    float lanes[16];
-    _mm_storeu_ps(lanes, a);
-    _mm_storeu_ps(lanes + 4, b);
-    _mm_storeu_ps(lanes + 8, c);
-    _mm_storeu_ps(lanes + 12, d);
-    const int n = 16;
-#else
-    const float * lanes = x;
-    const int n = AIOLLAMA_BLOCK;
-#endif
-    float m = lanes[0];
-    for (int i = 0; i < n; ++i) {
-        if (lanes[i] != lanes[i]) {
-            return lanes[i];
-        }
-        m = lanes[i] > m ? lanes[i] : m;
-    }
-    return m;
-}
 
 /* The largest of each of the first n_blocks blocks of 64 logits, into maxima; 0 if the row holds
    a NaN (the maxima are then of no use). One pass over the row, four at a time with SSE2. */
@@ -687,29 +655,25 @@ static float aiollama_kth_largest(const float * values, int32_t n, int32_t k) {
 
 /* The K largest logits of a row, largest first (ties: lower id first), into out[0..K): the
    candidates a chain that starts with top-k (or greedy, K = 1) keeps anyway, found without
-   building and sorting an array of the whole vocabulary. Once K are held, a block of 64 whose
-   largest is not above the K-th is passed over whole (none of it could enter).
-   With maxima (room for a float per whole block) and a row without NaN, one pass first takes
-   each block's largest: the K-th largest of those is a cutoff that the K-th largest logit reaches
-   (the K blocks' largest are K logits at or above it), so a block whose largest is below it holds
-   none of the K and is passed over from the start, not only once the K held rise that high. The
-   blocks left are read in order as before: the same K, in the same order. */
+   building and sorting an array of the whole vocabulary. In a row without NaN, one pass first
+   takes each block of 64's largest into maxima (room for a float per whole block): the K-th
+   largest of those is a cutoff that the K-th largest logit reaches (the K blocks' largest are K
+   logits at or above it), so a block whose largest is below it holds none of the K and is passed
+   over, as is one whose largest is not above the K-th held once K are. The blocks left are read
+   in order, value by value: the same K, in the same order, as reading every block. A row with a
+   NaN is read whole (where a NaN enters depends on the order of reading). */
 static int32_t aiollama_top_k(const float * logits, int32_t n_vocab, int32_t k, llama_token_data * out,
                               float * maxima) {
     const int32_t n_blocks = n_vocab / AIOLLAMA_BLOCK;
-    const int use = maxima != NULL && k <= n_blocks && k <= AIOLLAMA_CUTOFF_MAX
-                    && aiollama_block_maxima(logits, n_blocks, maxima);
-    const float cutoff = use ? aiollama_kth_largest(maxima, n_blocks, k) : 0.0f;
+    const int known = aiollama_block_maxima(logits, n_blocks, maxima);
+    const int cut = known && k <= n_blocks && k <= AIOLLAMA_CUTOFF_MAX;
+    const float cutoff = cut ? aiollama_kth_largest(maxima, n_blocks, k) : 0.0f;
     int32_t m = 0;
     for (int32_t start = 0; start < n_vocab; start += AIOLLAMA_BLOCK) {
         const int32_t end = start + AIOLLAMA_BLOCK <= n_vocab ? start + AIOLLAMA_BLOCK : n_vocab;
-        if (end - start == AIOLLAMA_BLOCK) {
-            if (use) {
-                const float top = maxima[start / AIOLLAMA_BLOCK];
-                if (top < cutoff || (m == k && top <= out[k - 1].logit)) {
-                    continue;
-                }
-            } else if (m == k && aiollama_block_max(logits + start) <= out[k - 1].logit) {
+        if (known && end - start == AIOLLAMA_BLOCK) {
+            const float top = maxima[start / AIOLLAMA_BLOCK];
+            if ((cut && top < cutoff) || (m == k && top <= out[k - 1].logit)) {
                 continue;
             }
         }
