@@ -130,11 +130,16 @@ async def test_eviction_and_preemption_in_a_tiny_context(tiny_path: Path, host_c
         assert stats.preemptions + stats.evictions > 0
         if host_cache_bytes:
             assert stats.parks > 0 and stats.restores > 0
-        else:
-            assert stats.tokens_evaluated > sum(len(engine.tokenize(p)) for p in prompts) + 6 * 59
-        # preempted and re-evaluated conversations produce what they produce alone
-        for prompt, out in list(zip(prompts, outs))[:3]:
-            assert out.tokens == (await solo(tiny_path, prompt, max_tokens=60, **GREEDY)).tokens
+        # each first prefill and each sampled token but the last are evaluated at least once; what a
+        # preemption costs again depends on when it falls (a stream preempted as soon as admitted
+        # evaluates nothing again), so only the bounds are asserted, and the preempted streams' text
+        first = [o.stats.prompt_tokens - o.stats.cached_tokens for o in outs]
+        assert stats.tokens_evaluated >= sum(first) + 6 * 59
+        assert all(o.stats.prompt_evaluated >= n for o, n in zip(outs, first))
+        # preempted, evicted or parked conversations produce what they produce alone
+        checked = {i for i, o in enumerate(outs) if o.stats.preemptions or o.stats.restores} | {0, 1, 2}
+        for i in sorted(checked):
+            assert outs[i].tokens == (await solo(tiny_path, prompts[i], max_tokens=60, **GREEDY)).tokens
         again = await convs[0].stream(max_tokens=5, **GREEDY)  # an evicted one comes back
         assert len(again.tokens) == 5
         for c in convs:
