@@ -38,12 +38,12 @@ class _Server(uvicorn.Server):
 
 
 def freeze_startup_heap() -> int:
-    """Move what startup built (the modules, the app, the engine's tables) out of the collector's
-    sight, after collecting what is garbage already; return how many objects it froze. A full
-    collection of the cyclic garbage collector otherwise scans all of it while holding the GIL,
-    which stops the decode thread and every stream with it: in a server of the default model, 55k
-    objects and 29 ms a collection on a 2-core machine (vLLM's server does the same after its
-    start). What serving creates is still collected."""
+    """Move what startup built (the modules and the app: most of what a server holds) out of the
+    collector's sight, after collecting what is garbage already; return how many objects it froze.
+    A full collection of the cyclic garbage collector otherwise scans all of it while holding the
+    GIL, which stops the decode thread and every stream with it: in a server of the default model,
+    about 55k objects and 27-34 ms a collection on a 2-core machine (vLLM's server does the same
+    after its start). What serving creates is still collected."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
