@@ -655,23 +655,30 @@ static float aiollama_kth_largest(const float * values, int32_t n, int32_t k) {
 
 /* The K largest logits of a row, largest first (ties: lower id first), into out[0..K): the
    candidates a chain that starts with top-k (or greedy, K = 1) keeps anyway, found without
-   building and sorting an array of the whole vocabulary. In a row without NaN, one pass first
-   takes each block of 64's largest into maxima (room for a float per whole block): the K-th
-   largest of those is a cutoff that the K-th largest logit reaches (the K blocks' largest are K
-   logits at or above it), so a block whose largest is below it holds none of the K and is passed
-   over, as is one whose largest is not above the K-th held once K are. The blocks left are read
-   in order, value by value: the same K, in the same order, as reading every block. A row with a
-   NaN is read whole (where a NaN enters depends on the order of reading). */
+   building and sorting an array of the whole vocabulary. One pass first takes each block of 64's
+   largest into maxima (room for a float per whole block): the K-th largest of those is a cutoff
+   that the K-th largest logit reaches (the K blocks' largest are K logits at or above it), so a
+   block whose largest is below it holds none of the K and is passed over, as is one whose largest
+   is not above the K-th held once K are. The blocks left are read in order, value by value: the
+   same K, in the same order, as reading every block. -1 for a row with a NaN, which has no K
+   largest (the caller builds the whole row, as llama.cpp does). */
 static int32_t aiollama_top_k(const float * logits, int32_t n_vocab, int32_t k, llama_token_data * out,
                               float * maxima) {
     const int32_t n_blocks = n_vocab / AIOLLAMA_BLOCK;
-    const int known = aiollama_block_maxima(logits, n_blocks, maxima);
-    const int cut = known && k <= n_blocks && k <= AIOLLAMA_CUTOFF_MAX;
+    if (!aiollama_block_maxima(logits, n_blocks, maxima)) {
+        return -1;
+    }
+    for (int32_t id = n_blocks * AIOLLAMA_BLOCK; id < n_vocab; ++id) {
+        if (logits[id] != logits[id]) {  /* the last block, if partial, is read below: its NaN too */
+            return -1;
+        }
+    }
+    const int cut = k <= n_blocks && k <= AIOLLAMA_CUTOFF_MAX;
     const float cutoff = cut ? aiollama_kth_largest(maxima, n_blocks, k) : 0.0f;
     int32_t m = 0;
     for (int32_t start = 0; start < n_vocab; start += AIOLLAMA_BLOCK) {
         const int32_t end = start + AIOLLAMA_BLOCK <= n_vocab ? start + AIOLLAMA_BLOCK : n_vocab;
-        if (known && end - start == AIOLLAMA_BLOCK) {
+        if (end - start == AIOLLAMA_BLOCK) {
             const float top = maxima[start / AIOLLAMA_BLOCK];
             if ((cut && top < cutoff) || (m == k && top <= out[k - 1].logit)) {
                 continue;
@@ -734,10 +741,19 @@ static llama_token aiollama_sample_one(struct llama_sampler * chain, const float
         return -1;
     }
     llama_token_data_array cur_p = { cur, (size_t) n, -1, false };
-    if (n < n_vocab) {
-        cur_p.size = (size_t) aiollama_top_k(logits, n_vocab, n, cur, (float *) (cur + n));
+    const int32_t best = n < n_vocab ? aiollama_top_k(logits, n_vocab, n, cur, (float *) (cur + n)) : -1;
+    if (best >= 0) {
+        cur_p.size = (size_t) best;
         cur_p.sorted = true;
     } else {
+        if (n < n_vocab) {  /* a row with a NaN: built whole, as without the fast path */
+            cur = (llama_token_data *) aiollama_scratch((size_t) n_vocab * sizeof(llama_token_data));
+            if (cur == NULL) {
+                return -1;
+            }
+            cur_p.data = cur;
+            cur_p.size = (size_t) n_vocab;
+        }
         for (int32_t id = 0; id < n_vocab; ++id) {
             cur[id].id = id;
             cur[id].logit = logits[id];

@@ -214,8 +214,8 @@ def sample_rows(ctx: Context, chains: Sequence[SamplerChain], rows: Sequence[int
     threads. The chains must be distinct.
 
     ``top_k[i]`` > 0 says chain i begins with top-k of that k (or is greedy, with 1) and nothing
-    before it reads the row: then only those k candidates are built, which is faster and chooses
-    the same token (:meth:`SamplerChain.fast_k` tells the k of a chain).
+    before it reads the row: then only those k candidates are built (a row with a NaN is built
+    whole), which is faster and chooses the same token (:meth:`SamplerChain.fast_k` tells the k of a chain).
     """
     if len(chains) != len(rows) or (top_k is not None and len(top_k) != len(rows)):
         raise ValueError("one chain (and one top_k) per row")

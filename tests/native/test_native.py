@@ -12,6 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import first_greedy_tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_model import spm_model
 from tiny_mtp_families import deepseek4_mtp_model
 
 import aiollama
@@ -264,6 +267,51 @@ def test_the_fast_path_keeps_the_top_k_of_any_row(tiny: Model) -> None:
                             chain.add_top_k(k).add_temp(0.7).add_dist(seed=3)
                         picks.append(sample_rows(ctx, [chain], [last], 1, [chain.fast_k] if fast else None))
                 assert picks[0] == picks[1]
+
+
+@pytest.fixture(scope="module")
+def odd_vocab() -> Iterator[Model]:
+    """771 tokens: twelve whole blocks of 64 and a last one of 3."""
+    with Model(spm_model(aiollama.cache_dir() / "test-models")) as model:
+        assert model.vocab.n_tokens % 64 != 0
+        yield model
+
+
+@settings(max_examples=150, deadline=None, database=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 256), spread=st.sampled_from([0.01, 1.0, 1e3]),
+       empty=st.sampled_from([0.0, 0.5, 0.97]), nans=st.integers(0, 3), top_at_end=st.booleans(),
+       nan_at_end=st.booleans())
+def test_the_fast_path_chooses_as_the_whole_row_does_on_drawn_rows(odd_vocab: Model, seed: int, k: int, spread: float,
+                                                                   empty: float, nans: int, top_at_end: bool,
+                                                                   nan_at_end: bool) -> None:
+    """Rows drawn at random, on a vocabulary whose last block is partial: distinct values of any
+    spread, many -inf, a few NaNs (one in the last block or not), the largest ones in the last block
+    or not; k below and above the number of blocks. (A row with a NaN has no k largest: both paths
+    then build it whole.) The fast path (only the k best built) chooses the token the whole row does,
+    greedy and with top-k, temperature and a seeded draw."""
+    n = odd_vocab.vocab.n_tokens
+    rng = np.random.default_rng(seed)
+    values = (rng.permutation(n) * spread / n).astype(np.float32)  # distinct: no ties at the k-th
+    values[rng.random(n) < empty] = -np.inf
+    values[rng.choice(n, nans, replace=False)] = np.nan
+    if top_at_end:
+        values[-3:] = 2 * spread + np.arange(3, dtype=np.float32)
+    if nan_at_end:
+        values[-2] = np.nan
+    with Context(odd_vocab, n_ctx=64, n_batch=64) as ctx, Batch(64) as b:
+        last = b.add_tokens(odd_vocab.vocab.tokenize("the cat"), 0, 0, output_last=True)
+        assert ctx.decode(b) is DecodeStatus.OK
+        np.frombuffer(ctx.logits_buffer(last), dtype=np.float32)[:] = values
+        for greedy in (True, False):
+            picks = []
+            for fast in (False, True):
+                with SamplerChain(odd_vocab.vocab) as chain:
+                    if greedy:
+                        chain.add_greedy()
+                    else:
+                        chain.add_top_k(k).add_temp(0.7).add_dist(seed=seed)
+                    picks.append(sample_rows(ctx, [chain], [last], 1, [chain.fast_k] if fast else None))
+            assert picks[0] == picks[1], (greedy, picks)
 
 
 def test_sample_rows_equals_each_row_alone(tiny: Model) -> None:
