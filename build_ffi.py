@@ -669,7 +669,7 @@ static int32_t aiollama_top_k(const float * logits, int32_t n_vocab, int32_t k, 
         return -1;
     }
     for (int32_t id = n_blocks * AIOLLAMA_BLOCK; id < n_vocab; ++id) {
-        if (logits[id] != logits[id]) {  /* the last block, if partial, is read below: its NaN too */
+        if (logits[id] != logits[id]) {  /* a partial last block has no maximum: its NaN is looked for here */
             return -1;
         }
     }
