@@ -37,16 +37,15 @@ class _Server(uvicorn.Server):
         asyncio.get_event_loop().create_task(self._app.state.aiollama.close_engine())
 
 
-def freeze_startup_heap() -> int:
+def freeze_startup_heap() -> None:
     """Move what startup built (the modules and the app: most of what a server holds) out of the
-    collector's sight, after collecting what is garbage already; return how many objects it froze.
+    collector's sight, after collecting what is garbage already.
     A full collection of the cyclic garbage collector otherwise scans all of it while holding the
     GIL, which stops the decode thread and every stream with it: in a server of the default model,
     about 55k objects and 27-34 ms a collection on a 2-core machine (vLLM's server does the same
     after its start). What serving creates is still collected."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 def serve(app: Starlette, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
