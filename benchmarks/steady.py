@@ -9,13 +9,16 @@ arrivals, each side by side with llama-server in the same run.
    llama-server is), and on one llama-server process (its default split cache, a
    slot per stream). The contenders take turns round by round. Reported: tokens/s per round and
    last/first. SmolLM2 and the fast model, at 8 and 32 streams.
-2. Continuous arrivals. ``aiollama serve`` and llama-server, one process each, alone: 8 HTTP
-   clients each send one ``/v1/completions`` request after another (distinct prompts, 64 tokens,
-   the end-of-generation tokens banned by ``logit_bias`` on both sides), for ``--windows`` windows
-   of ``--window`` seconds; tokens/s per window (a request's tokens shared among the windows it
-   spanned). First the same requests go straight into an engine configured as the server's (in a
-   process of its own, no HTTP), with the share of its time spent inside ``llama_decode``: the
-   ceiling the server can reach with these kernels.
+2. Continuous arrivals. ``aiollama serve`` and llama-server, one process each, all kept up: 8 HTTP
+   clients send one ``/v1/completions`` request after another (distinct prompts, 64 tokens, the
+   end-of-generation tokens banned by ``logit_bias`` on both sides) for a window of ``--window``
+   seconds, to each contender in turn, ``--windows`` times (the order rotates each time, and the
+   contenders of one window get the same prompts); tokens/s per window (a request's tokens shared
+   among the windows it spanned), and per window the ratio of ``aiollama serve`` to llama-server,
+   measured minutes apart rather than a whole run apart. Among the contenders, the same requests
+   straight into an engine configured as the server's (in a process of its own, no HTTP), with the
+   share of its time spent inside ``llama_decode``: the ceiling the server can reach with these
+   kernels.
 
 Results go to benchmarks/results/<date>-<machine>-<cpus>cpu-steady.{json,md}.
 """
@@ -23,10 +26,12 @@ Results go to benchmarks/results/<date>-<machine>-<cpus>cpu-steady.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -98,10 +103,10 @@ async def serve_worker(options: dict[str, Any]) -> None:
             start = time.perf_counter()
             if "arrivals" in request:
                 a, before = request["arrivals"], e.statistics()
-                per_window = await engine_arrivals(e, a["n_vocab"], a["windows"], a["window"], a["banned"])
+                tps = await engine_arrivals(e, a["n_vocab"], a["window"], a["banned"], a["first"])
                 st, wall = e.statistics(), time.perf_counter() - start
-                print(json.dumps({"tps": per_window, "in_decode": (st.decode_seconds - before.decode_seconds) / wall}),
-                      flush=True)
+                print(json.dumps({"tps": tps, "decode_seconds": st.decode_seconds - before.decode_seconds,
+                                  "wall": wall}), flush=True)
                 continue
             timings = await aiollama_streams(e, request["batch"], request["new"])
             st = e.statistics()
@@ -149,14 +154,15 @@ async def rounds(model: Path, threads: int, n: int, new: int, n_rounds: int, n_v
     return out
 
 
-async def arrivals(send: Callable[[int, list[int]], Awaitable[int]], n_vocab: int, windows: int,
-                   window: float) -> list[float]:
-    """CLIENTS clients sending one request after another (``send(k, prompt)`` runs request k and
-    gives its completion tokens); tokens/s in each window."""
-    counter = itertools.count()
+async def arrivals(send: Callable[[int, list[int]], Awaitable[int]], n_vocab: int, window: float,
+                   first: int = 0) -> float:
+    """CLIENTS clients sending one request after another for ``window`` seconds (``send(k, prompt)``
+    runs request k and gives its completion tokens; requests are numbered from ``first``, which
+    also seeds their prompts); tokens/s over the window."""
+    counter = itertools.count(first)
     start = time.perf_counter()
-    end = start + windows * window
-    per_window = [0.0] * windows
+    end = start + window
+    per_window = [0.0]
 
     async def client_loop() -> None:
         while time.perf_counter() < end:
@@ -169,10 +175,10 @@ async def arrivals(send: Callable[[int, list[int]], Awaitable[int]], n_vocab: in
     async with anyio.create_task_group() as tg:
         for _ in range(CLIENTS):
             tg.start_soon(client_loop)
-    return [t / window for t in per_window]
+    return per_window[0] / window
 
 
-async def http_arrivals(url: str, n_vocab: int, windows: int, window: float, banned: list[int]) -> list[float]:
+async def http_arrivals(url: str, n_vocab: int, window: float, banned: list[int], first: int = 0) -> float:
     """Arrivals as completion requests to a server."""
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=CLIENTS + 2)) as client:
         async def send(k: int, prompt: list[int]) -> int:
@@ -182,11 +188,11 @@ async def http_arrivals(url: str, n_vocab: int, windows: int, window: float, ban
             r.raise_for_status()
             return int(r.json()["usage"]["completion_tokens"])
 
-        return await arrivals(send, n_vocab, windows, window)
+        return await arrivals(send, n_vocab, window, first)
 
 
-async def engine_arrivals(e: aiollama.Engine, n_vocab: int, windows: int, window: float,
-                          banned: list[int]) -> list[float]:
+async def engine_arrivals(e: aiollama.Engine, n_vocab: int, window: float, banned: list[int],
+                          first: int = 0) -> float:
     """The same arrivals straight into an engine configured as ``aiollama serve`` is: what the
     server could reach without HTTP."""
     bias = {t: -100.0 for t in banned}
@@ -196,7 +202,7 @@ async def engine_arrivals(e: aiollama.Engine, n_vocab: int, windows: int, window
             completion = await conv.stream(max_tokens=ARRIVAL_TOKENS, temperature=0.7, seed=k, logit_bias=bias)
             return len(completion.tokens)
 
-    return await arrivals(send, n_vocab, windows, window)
+    return await arrivals(send, n_vocab, window, first)
 
 
 def spread(per_window: list[float], sent: float, done: float, window: float, tokens: int) -> None:
@@ -240,20 +246,60 @@ def report(r: dict[str, Any]) -> str:
                          f"{ratio(v):.2f} | {vs} |")
     if r.get("arrivals"):
         lines += ["", f"**Continuous arrivals**: {CLIENTS} clients, one request after another, {ARRIVAL_TOKENS} tokens "
-                  f"each (EOG banned), SmolLM2; tokens/s per {r['window']:.0f}-s window (each request's tokens "
-                  "shared among the windows it spanned)", "",
+                  f"each (EOG banned), SmolLM2; tokens/s per {r['window']:.0f}-s window, the contenders all up "
+                  "and taking turns window by window, the order rotating", "",
                   "| server | " + " | ".join(f"window {i + 1}" for i in range(r["windows"])) + " | last/first |",
                   "|---|" + "---:|" * (r["windows"] + 1)]
         for name, v in r["arrivals"].items():
             lines.append(f"| {name} | " + " | ".join(f"{x:.0f}" for x in v) + f" | {ratio(v):.2f} |")
         a, s = r["arrivals"].get("aiollama serve"), r["arrivals"].get("llama-server")
         if a and s:
+            per = [x / y for x, y in zip(a, s) if x and y]
+            mean = f"{statistics.geometric_mean(per):.2f} (geometric mean)" if per else ""
             lines.append("| aiollama / llama-server | " + " | ".join(f"{x / y:.2f}" if y else "" for x, y in zip(a, s))
-                         + " | |")
+                         + f" | {mean} |")
         if "engine_in_decode" in r:
             lines += ["", f"The engine without HTTP (the same requests as tasks of one process, configured as "
                       f"`aiollama serve` is) spent {r['engine_in_decode']:.1%} of its time inside `llama_decode`."]
     return "\n".join(lines) + "\n"
+
+
+async def arrivals_in_turn(r: dict[str, Any], model: Path, threads: int, n_vocab: int, server_bin: Path,
+                           windows: int, window: float) -> None:
+    """The continuous arrivals: every contender up at once, a window each in turn, ``windows`` times
+    (the order rotating), into ``r["arrivals"]``; the engine's share of its time in llama_decode
+    into ``r["engine_in_decode"]``."""
+    banned = eog_tokens(model)
+    n_ctx = 8192
+    servers = {"llama-server": LlamaServer(server_bin, model, n_parallel=CLIENTS, n_ctx=n_ctx, threads=threads,
+                                           unified=False),
+               "aiollama serve": AiollamaServer(model, n_seq_max=CLIENTS, n_ctx=n_ctx, threads=threads),
+               "aiollama serve --unified-cache": AiollamaServer(model, n_seq_max=CLIENTS, n_ctx=n_ctx, threads=threads,
+                                                                extra=("--unified-cache",))}
+    names = [ENGINE, *servers]
+    r["arrivals"] = {name: [] for name in names}
+    in_decode = [0.0, 0.0]  # the engine's seconds in llama_decode, and in all
+    worker = Worker(model, threads, CLIENTS, n_ctx, False)
+    try:
+        with contextlib.ExitStack() as stack:
+            for server in servers.values():
+                stack.enter_context(server)
+            for w in range(windows):
+                first = 10_000 * w  # the same prompts for every contender of a window
+                for name in names[w % len(names):] + names[:w % len(names)]:
+                    if name == ENGINE:
+                        answer = worker.ask({"arrivals": {"n_vocab": n_vocab, "window": window, "banned": banned,
+                                                          "first": first}})
+                        tps = answer["tps"]
+                        in_decode[0] += answer["decode_seconds"]
+                        in_decode[1] += answer["wall"]
+                    else:
+                        tps = await http_arrivals(servers[name].url, n_vocab, window, banned, first)
+                    r["arrivals"][name].append(tps)
+                    print(f"arrivals, window {w + 1}: {name} {tps:.0f} tokens/s", flush=True)
+    finally:
+        worker.close()
+    r["engine_in_decode"] = in_decode[0] / in_decode[1] if in_decode[1] else float("nan")
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -274,30 +320,7 @@ async def main(args: argparse.Namespace) -> int:
                                                            server_bin, args.baseline)
     stem = save_results(r, "steady" if not args.tag else f"steady-{args.tag}", report(r))  # kept if what follows fails
     if args.windows and server_bin is not None:
-        banned = eog_tokens(smollm2)
-        n_ctx = 8192
-        print("arrivals: aiollama engine (no HTTP)", flush=True)
-        worker = Worker(smollm2, threads, CLIENTS, n_ctx, False)
-        try:
-            answer = worker.ask({"arrivals": {"n_vocab": n_vocab, "windows": args.windows, "window": args.window,
-                                              "banned": banned}})
-        finally:
-            worker.close()
-        r["arrivals"][ENGINE] = answer["tps"]
-        r["engine_in_decode"] = answer["in_decode"]
-        print("  ", [round(x) for x in answer["tps"]], f"{answer['in_decode']:.1%} of the time in llama_decode",
-              flush=True)
-        for label, server in (("llama-server", LlamaServer(server_bin, smollm2, n_parallel=CLIENTS, n_ctx=n_ctx,
-                                                            threads=threads, unified=False)),
-                              ("aiollama serve", AiollamaServer(smollm2, n_seq_max=CLIENTS, n_ctx=n_ctx,
-                                                                threads=threads)),
-                              ("aiollama serve --unified-cache",
-                               AiollamaServer(smollm2, n_seq_max=CLIENTS, n_ctx=n_ctx, threads=threads,
-                                              extra=("--unified-cache",)))):
-            print(f"arrivals: {label}", flush=True)
-            with server:
-                r["arrivals"][label] = await http_arrivals(server.url, n_vocab, args.windows, args.window, banned)
-            print("  ", [round(x) for x in r["arrivals"][label]], flush=True)
+        await arrivals_in_turn(r, smollm2, threads, n_vocab, server_bin, args.windows, args.window)
     save_results(r, "steady", report(r), stem=stem)  # the same files, now whole
     return 0
 
