@@ -46,8 +46,8 @@ class ByteTokenizer:
             rest = rest[at + len(t):]
         return out
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        return b"".join(self.piece(t) for t in tokens if special or t < 256).decode("utf-8", "replace")
 
     def piece(self, token: int) -> bytes:
         return bytes([token]) if token < 256 else SPECIALS[token].encode()

@@ -289,8 +289,8 @@ class SyncEngine:
     def tokenize(self, text: str, *, add_special: bool = False, special: bool = False) -> list[int]:
         return self._engine.tokenize(text, add_special=add_special, special=special)
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return self._engine.detokenize(tokens)
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        return self._engine.detokenize(tokens, special=special)
 
     def token_bytes(self, token: int) -> bytes:
         return self._engine.token_bytes(token)

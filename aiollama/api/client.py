@@ -159,8 +159,8 @@ class EngineClient:
     def tokenize(self, text: str, *, add_special: bool, special: bool) -> list[int]:
         return self.tokenizer.tokenize(text, add_special=add_special, special=special)
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.detokenize(tokens)
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        return self.tokenizer.detokenize(tokens, special=special)
 
     def encode(self, content: str | Sequence[int], *, first: bool, special: bool) -> list[int]:
         """Token ids for a prompt: text is tokenized (BOS on the first prompt), ids are checked."""

@@ -49,11 +49,11 @@ class VocabTokenizer:
         with self._pinned() as vocab:
             return vocab.tokenize(text, add_special=add_special, parse_special=special)
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
         if has_images(tokens):  # an image's placeholders have no text
             tokens = text_only(tokens)
         with self._pinned() as vocab:
-            return vocab.detokenize(tokens)
+            return vocab.detokenize(tokens, unparse_special=special)
 
     def check_token(self, token: object) -> int:
         return self._vocab.check_token(token)  # type: ignore[arg-type]

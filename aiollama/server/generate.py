@@ -29,7 +29,6 @@ from aiollama.server.llama_shape import (
     final_result,
     generation_settings,
     probabilities,
-    prompt_text,
 )
 from aiollama.server.native_request import Native, llama_fields
 from aiollama.server.neutral_request import ChatRequest, message_text
@@ -150,7 +149,7 @@ def _verbose(state: State, engine: Engine, llama: Native, req: ChatRequest, stre
                           stream.truncated, list(done.logprobs))
         clock = Clock(predicted=len(done.tokens))
         return final_result(outcome, index=index, id_slot=-1, model=state.name(),
-                            prompt=prompt_text(engine.token_bytes, prompt_tokens), n_prompt=len(prompt_tokens),
+                            prompt=engine.detokenize(prompt_tokens, special=True), n_prompt=len(prompt_tokens),
                             settings=settings,
                             clock=clock, token_bytes=engine.token_bytes, return_tokens=False, stream=False,
                             n_probs=llama.n_probs)

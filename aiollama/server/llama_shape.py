@@ -79,11 +79,6 @@ class Clock:
                           self.predicted, (now - self.first) * 1e3 if self.first else 0.0)
 
 
-def prompt_text(token_bytes: TokenBytes, tokens: Sequence[int]) -> str:
-    """A prompt as llama-server shows it: its special tokens as their text."""
-    return b"".join(token_bytes(t) for t in tokens).decode("utf-8", "replace")
-
-
 def probabilities(logprobs: Sequence[TokenLogprob], token_bytes: TokenBytes) -> list[dict[str, Any]]:
     """``completion_probabilities`` (and the ``logprobs.content`` of the OpenAI routes given
     ``n_probs``): each token with its id, text, bytes, log-probability and the most likely ones."""

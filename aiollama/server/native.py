@@ -33,7 +33,6 @@ from aiollama.server.llama_shape import (
     partial_result,
     pick_fields,
     probabilities,
-    prompt_text,
 )
 from aiollama.server.native_request import (
     INFILL_FIELDS,
@@ -211,7 +210,7 @@ class _Answer:
                           task.stream.truncated, list(done.logprobs))
         task.clock.predicted = len(done.tokens)
         result = final_result(outcome, index=task.index, id_slot=self.id_slot, model=self.state.name(),
-                              prompt=prompt_text(self.engine.token_bytes, task.prompt), n_prompt=len(task.prompt),
+                              prompt=self.engine.detokenize(task.prompt, special=True), n_prompt=len(task.prompt),
                               settings=self.settings, clock=task.clock, token_bytes=self.engine.token_bytes,
                               return_tokens=self.native.return_tokens, stream=self.native.stream,
                               n_probs=self.native.n_probs)

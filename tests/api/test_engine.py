@@ -46,6 +46,12 @@ async def test_stream_text_matches_tokens(engine: Engine) -> None:
     assert text == engine.detokenize(tokens)
 
 
+async def test_detokenize_shows_special_tokens_only_when_asked(engine: Engine) -> None:
+    tokens = engine.tokenize("<|im_start|>user", special=True)
+    assert engine.detokenize(tokens, special=True) == "<|im_start|>user"
+    assert engine.detokenize(tokens) == "user"
+
+
 async def test_await_collects_and_history_continues(engine: Engine, tiny_path: Path) -> None:
     async with engine.conversation("Once upon a time") as conv:
         first = await conv.stream(max_tokens=6, **GREEDY)

@@ -29,7 +29,7 @@ from llama_server_api import (
     value_at,
 )
 from server_process import TIMEOUT, Server
-from tiny_model import fim_model, rerank_model
+from tiny_model import fim_model, rerank_model, spm_model
 
 import aiollama
 
@@ -67,7 +67,8 @@ class Servers:
 @pytest.fixture(scope="module")
 def servers(tiny_path: Path, fim_path: Path, smollm2_path: Path) -> Iterator[Servers]:
     s = Servers({"tiny": tiny_path, "fim": fim_path,
-                 "rerank": rerank_model(aiollama.cache_dir() / "test-models", smollm2_path)})
+                 "rerank": rerank_model(aiollama.cache_dir() / "test-models", smollm2_path),
+                 "spm": spm_model(aiollama.cache_dir() / "test-models")})
     yield s
     s.stop()
 
@@ -198,6 +199,27 @@ def _options(server: Server, path: str, headers: dict[str, str]) -> tuple[int, d
     request = urllib.request.Request(server.url + path, method="OPTIONS", headers=headers)
     with urllib.request.urlopen(request, timeout=10) as response:
         return response.status, {k.lower(): v for k, v in response.headers.items()}
+
+
+def test_the_prompt_shown_is_what_llama_detokenize_makes_of_its_tokens(servers: Servers) -> None:
+    """llama-server shows a request's prompt as ``llama_detokenize`` makes it of the prompt's tokens,
+    special tokens as their text (server-common.cpp, ``server_tokens::detokenize``): on a
+    SentencePiece model the first piece loses its leading space, which joining the pieces keeps."""
+    from aiollama.native import Model
+
+    with Model(servers.models["spm"], vocab_only=True) as model:
+        words = model.vocab.tokenize("Hello world", add_special=False)
+        plain = model.vocab.detokenize(words, unparse_special=True)
+        joined = b"".join(model.vocab.token_to_piece(t, special=True) for t in words).decode()
+        with_bos = model.vocab.detokenize([model.vocab.bos, *words], unparse_special=True)
+    assert plain == "Hello world" and joined == " Hello world" and with_bos == "<s> Hello world"
+    spm = servers.get("spm")
+    status, answer = call(spm.url, "POST", "/completion", {"prompt": words, "n_predict": 1})
+    assert status == 200 and answer["prompt"] == plain
+    status, answer = call(spm.url, "POST", "/completion", {"prompt": "Hello world", "n_predict": 1})
+    assert status == 200 and answer["prompt"] == with_bos
+    status, answer = call(spm.url, "POST", "/v1/completions", {"prompt": words, "max_tokens": 1, "verbose": True})
+    assert status == 200 and answer["__verbose"]["prompt"] == plain
 
 
 def test_infill_fills_the_middle_in_the_models_fim_tokens(servers: Servers) -> None:
