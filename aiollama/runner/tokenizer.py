@@ -36,6 +36,7 @@ class VocabTokenizer:
         self._specials: list[SpecialToken] | None = None
         self._guidance: Any = None
         self._lock = threading.Lock()
+        self._pieces: dict[int, bytes] = {}  # at most one entry per token of the vocabulary
 
     @contextlib.contextmanager
     def _pinned(self) -> Iterator[Vocab]:
@@ -67,8 +68,16 @@ class VocabTokenizer:
             return vocab.token_text(token)
 
     def piece(self, token: int) -> bytes:
-        with self._pinned() as vocab:
-            return vocab.token_to_piece(token, special=True)
+        """A token's bytes, special tokens as their text: asked of llama.cpp once per token (the
+        server reads them for every token and alternative of log-probabilities, and for a
+        prompt's text)."""
+        known = self._pieces.get(token) if type(token) is int else None
+        if known is None:
+            with self._pinned() as vocab:
+                known = vocab.token_to_piece(token, special=True)
+            if type(token) is int:  # checked by llama.cpp's side above
+                self._pieces[token] = known
+        return known
 
     def special_tokens(self) -> Sequence[SpecialToken]:
         if self._specials is None:

@@ -52,6 +52,17 @@ async def test_detokenize_shows_special_tokens_only_when_asked(engine: Engine) -
     assert engine.detokenize(tokens) == "user"
 
 
+async def test_token_bytes_are_llamas_pieces_asked_once_and_bad_tokens_are_refused(engine: Engine,
+                                                                                    tiny_path: Path) -> None:
+    with Model(tiny_path, vocab_only=True) as model:
+        want = {t: model.vocab.token_to_piece(t, special=True) for t in (0, 1, 2, 300, engine.n_vocab - 1)}
+    for _ in range(2):  # the second time from what the first asked
+        assert {t: engine.token_bytes(t) for t in want} == want
+    for bad in (-1, engine.n_vocab, True, 1.5, "1"):
+        with pytest.raises(InvalidTokenError):
+            engine.token_bytes(bad)  # type: ignore[arg-type]
+
+
 async def test_await_collects_and_history_continues(engine: Engine, tiny_path: Path) -> None:
     async with engine.conversation("Once upon a time") as conv:
         first = await conv.stream(max_tokens=6, **GREEDY)
