@@ -208,6 +208,7 @@ class EngineReplica:
     async def _started(self) -> Any:
         if self._app is None:
             from aiollama.server import create_app
+            from aiollama.server.run import freeze_startup_heap
 
             engine = Engine(self._model, **self._options)
             await engine.start()
@@ -215,6 +216,9 @@ class EngineReplica:
             app = create_app(engine=engine, replica=replica, **self._app_options)
             self._lifespan = asyncio.ensure_future(_live(app))  # the app's background work: the store's sweep
             self._engine, self._app = engine, app
+            # as `aiollama serve` does: a replica is a process of its own (Ray's actor), whose full
+            # collections would otherwise scan all that its start built while every stream waits
+            freeze_startup_heap()
         return self._app
 
     def _name(self) -> str | None:

@@ -219,3 +219,34 @@ def test_build_app_takes_serve_run_arguments(tiny_path: Path) -> None:
     assert app is not None
     with pytest.raises(ValueError, match="unknown engine option"):
         build_app(tiny_path, n_ctxx=1)
+
+
+def test_a_replica_freezes_the_heap_its_start_built(tiny_path: Path) -> None:
+    """A replica's process is its own, as ``aiollama serve``'s is: what its start built is out of the
+    full collections' sight, what serving makes is not."""
+    import gc
+
+    import anyio
+
+    from aiollama.ray import EngineReplica
+
+    class Replica(EngineReplica):
+        def __del__(self) -> None:  # type: ignore[override]  # closed below: Ray awaits the async one
+            pass
+
+    async def main() -> None:
+        replica = Replica(str(tiny_path), {"n_ctx": 1024, "n_seq_max": 2, "n_threads": 1})
+        built_before = [object()]
+        try:
+            await replica._started()
+            assert gc.get_freeze_count() > 0 and not any(o is built_before for o in gc.get_objects())
+            made_after = [object()]
+            assert any(o is made_after for o in gc.get_objects())
+        finally:
+            await EngineReplica.__del__(replica)
+
+    gc.unfreeze()
+    try:
+        anyio.run(main)
+    finally:
+        gc.unfreeze()
