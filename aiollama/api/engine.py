@@ -113,8 +113,9 @@ class Engine:
         return self._client.tokenize(text, add_special=add_special, special=special)
 
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
-        """The text of ``tokens``, joined as llama.cpp's ``llama_detokenize`` joins them (the leading
-        space of a SentencePiece model's first piece dropped, a picture's placeholders left out);
+        """The text of ``tokens``, joined as llama.cpp's ``llama_detokenize`` joins them (the space a
+        SentencePiece model puts before the text dropped from the first piece, a picture's
+        placeholders left out);
         ``special``: special tokens as their text (as llama-server shows a prompt), otherwise left
         out. Thread-safe, does not wait for the decode thread."""
         return self._client.detokenize(tokens, special=special)

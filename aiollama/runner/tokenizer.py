@@ -69,13 +69,12 @@ class VocabTokenizer:
 
     def piece(self, token: int) -> bytes:
         """A token's bytes, special tokens as their text: asked of llama.cpp once per token (the
-        server reads them for every token and alternative of log-probabilities, and for a
-        prompt's text)."""
+        server reads them for every token and every alternative of log-probabilities)."""
         known = self._pieces.get(token) if type(token) is int else None
         if known is None:
             with self._pinned() as vocab:
                 known = vocab.token_to_piece(token, special=True)
-            if type(token) is int:  # checked by llama.cpp's side above
+            if type(token) is int:  # a valid token: a bad one raised above
                 self._pieces[token] = known
         return known
 
