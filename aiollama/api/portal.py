@@ -1,9 +1,11 @@
 """How the decode thread reaches consumers: one non-blocking hop into their event loop.
 
-The decode thread only calls ``Portal.send`` (through the outbox) and ``Portal.wake``; it never
-waits for a consumer. What it sends to an event loop waits in the portal until a wake, which the
-decode thread gives as its next ``llama_decode`` starts (or at once when nothing decodes), so that
-consumers run while the decode computes.
+The decode thread only calls ``Portal.send`` (through the outbox), ``Portal.wake`` and
+``Portal.after_delivery``. What it sends to an event loop waits in the portal until a wake, which
+the decode thread gives as its next ``llama_decode`` starts (or at once when nothing decodes), so
+that consumers run while the decode computes. It waits for a consumer in one case only, and for
+at most ``HAND_OVER_SECONDS`` (:mod:`aiollama.core.engine_core`): when every generation has just
+got its first token, so that no stream waits on it (see :func:`aiollama.core.outbox.hand_over`).
 
 A wake goes through the event loop's own thread-safe channel (``call_soon_threadsafe`` on asyncio,
 ``TrioToken.run_sync_soon`` on trio): it cannot be lost to anything else in the application. A
@@ -108,6 +110,15 @@ class AsyncioPortal:
         self._posted.post(callback)
         return True
 
+    def after_delivery(self, callback: Callable[[], None]) -> bool:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return False
+        def queue() -> None:  # behind the tasks that the delivery wakes: it runs after their turn
+            loop.call_soon(callback)
+        self._posted.post(queue)
+        return True
+
     def wake(self) -> None:
         if not self._posted.arm():
             return
@@ -169,6 +180,18 @@ class TrioPortal:
             return False  # the run has ended
         self._posted.post(callback)
         return True
+
+    def after_delivery(self, callback: Callable[[], None]) -> bool:
+        # trio runs the tasks a delivery wakes in its next batch, beside its queue of callbacks in
+        # an order of its own: the callback goes two batches later, after theirs
+        token = self.owner
+
+        def later(batches: int) -> None:
+            if batches:
+                token.run_sync_soon(lambda: later(batches - 1))
+            else:
+                callback()
+        return self.send(lambda: later(2))
 
     def wake(self) -> None:
         import trio

@@ -32,6 +32,12 @@ class Portal(Protocol):
 
     def wake(self) -> None: ...
 
+    def after_delivery(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` (it must be safe from any thread) once what was sent before it has
+        been delivered and the consumers it woke have had their turn; False when nobody receives
+        any more. Like what ``send`` sends, it runs after a ``wake``."""
+        ...
+
 
 class Sink(Protocol):
     """Where a stream's items go. ``deliver`` runs through ``portal``, in the consumer's context."""

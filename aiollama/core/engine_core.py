@@ -37,13 +37,16 @@ from aiollama.core.commands import Admission, Command, Portal
 from aiollama.core.diskcache import DiskCache, file_identity
 from aiollama.core.generations import Generations, stats_of
 from aiollama.core.handlers import Handlers
-from aiollama.core.outbox import Outbox, wake
+from aiollama.core.outbox import Outbox, hand_over, wake
 from aiollama.core.outputs import STEP_BUCKETS, FinishReason, Statistics
 from aiollama.errors import DecodeError, EngineDead, InvalidRequestError
 from aiollama.sched import Scheduler, SchedulerConfig
 from aiollama.sched.step import Executor, Overlapped, Plan, StepResult, StepStatus
 
 MAX_NO_SLOT_RETRIES = 16
+# The longest the decode thread waits for the consumers of first tokens when no other stream is
+# waiting (see outbox.hand_over): a loop that does not come in time costs no more than this.
+HAND_OVER_SECONDS = 0.002
 
 
 @dataclass
@@ -184,6 +187,10 @@ class EngineCore:
         self.flush()
         if plan.slices and started is not None:
             self._counters.step_seconds += time.perf_counter() - counted
+        if self.generations.only_first_tokens() and started is not None:
+            # nobody waits for the next step: the first tokens' consumers run first, on this
+            # thread's core (see outbox.hand_over); the wait is not the step's
+            hand_over(self.outbox.take_unwoken(), HAND_OVER_SECONDS)
 
     def _count_step(self, seconds: float) -> None:
         self._counters.step_seconds += seconds

@@ -82,6 +82,7 @@ class Generations:
         self._deferred: dict[int, list[tuple[int, ...]]] = defaultdict(list)
         self._guides: dict[int, int] = {}  # guiding conversation -> the generation it guides
         self._progress: set[int] = set()  # generations that report their prompt's evaluation
+        self._fresh: set[int] = set()  # generations given their first token (see only_first_tokens)
 
     def __contains__(self, conv: int) -> bool:
         return conv in self._gens
@@ -155,7 +156,9 @@ class Generations:
                 continue
             gen = self._gens[conv]
             if gen.stepped_at != now:  # its first token this step
-                gen.first_at = gen.first_at or now
+                if not gen.first_at:
+                    gen.first_at = now
+                    self._fresh.add(conv)
                 gen.stepped_at = now
                 gen.decode_steps += 1
             delta = self._next(gen, sampled, histories.length(conv) - left[conv])
@@ -164,6 +167,12 @@ class Generations:
                 ended[conv] = 0
             self.outbox.emit(gen.sink, delta)
         return ended
+
+    def only_first_tokens(self) -> bool:
+        """Whether the updates since the last call gave every generation left (there is one at
+        least) its first token: then no stream is waiting for the next step."""
+        fresh, self._fresh = self._fresh, set()
+        return bool(fresh) and bool(self._gens) and all(conv in fresh for conv in self._gens)
 
     def ending(self, result: StepResult) -> frozenset[int]:
         """The conversations that ``result`` ends whatever their text says: an end of generation

@@ -6,6 +6,8 @@ consumer's context once the portal is woken (see :func:`wake`).
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,6 +31,27 @@ def wake(portals: Iterable[Portal]) -> None:
     yet run is not asked twice)."""
     for portal in portals:
         portal.wake()
+
+
+def hand_over(portals: Iterable[Portal], seconds: float) -> None:
+    """Wake these portals and wait, at most ``seconds`` in all, until each has delivered what was
+    sent to it and its consumers have had their turn.
+
+    Why wait: on a host whose cores the decode's threads fill, an event loop woken as a decode
+    starts queues behind them, and the kernel tends to let it wait out the decode's time slice (a
+    few milliseconds) when the loop has just run a long burst, as it has when it started a request.
+    The decode thread waiting here leaves its core to the loop instead."""
+    portals = list(portals)
+    delivered: list[threading.Event] = []
+    for portal in portals:
+        done = threading.Event()
+        if portal.after_delivery(done.set):
+            delivered.append(done)
+    wake(portals)
+    deadline = time.monotonic() + seconds
+    for done in delivered:
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            return
 
 
 class Outbox:
