@@ -5,7 +5,8 @@ Nothing is written twice: a blocking conversation is an async one driven through
 ``WrongEventLoop``, shielded cleanup, cancellation and liveness hold by construction. Any number of
 threads share one engine; their conversations land in the same batches as everyone's. Each call
 crosses to the portal's thread and back (a chunk read costs one such hop), and the thread waits
-while the engine works, which is what it asked for; the decode thread never waits for it.
+while the engine works, which is what it asked for; the decode thread does not wait for it (but
+for a lone generation's first token, at most 2 ms: see :func:`aiollama.core.outbox.hand_over`).
 """
 
 from __future__ import annotations

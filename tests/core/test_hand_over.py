@@ -70,9 +70,9 @@ async def test_a_running_stream_does_not_wait_for_a_newcomer_s_first_token(monke
         made.append(Watched(config))
         return made[0]
 
-    async with Engine(executor=executor, n_ctx=512, n_seq_max=4) as engine:
+    async with Engine(executor=executor, n_ctx=8192, n_seq_max=4) as engine:
         watched = made[0]
-        running = engine.conversation("first").stream(max_tokens=400, **GREEDY)
+        running = engine.conversation("first").stream(max_tokens=8000, **GREEDY)  # on until cancelled
         async for chunk in running:
             if chunk.tokens:
                 break  # it runs on, unread: every later step has a stream waiting for it
