@@ -13,9 +13,10 @@ import pytest
 from fake_executor import FakeExecutor
 
 import aiollama.core.engine_core as engine_core
-from aiollama import Engine, EngineConfig
+from aiollama import Engine, EngineConfig, Stream
 from aiollama.sched.step import Plan, StepResult
 
+pytestmark = pytest.mark.anyio
 GREEDY: dict[str, Any] = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -39,37 +40,44 @@ class Watched(FakeExecutor):
             self.got.setdefault(name, True)
 
 
-@pytest.mark.anyio
-async def test_a_lone_stream_s_first_token_reaches_its_loop_before_the_next_decode(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # a wait that cannot run out: without the hand-over, the loop is woken only as the next
-    # decode starts, so the consumer never has its first chunk when that decode is entered
+@pytest.fixture
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hand-over that cannot run out: without one, a loop is woken only as the next decode
+    starts, so its consumer never has its first chunk when that decode is entered."""
     monkeypatch.setattr(engine_core, "HAND_OVER_SECONDS", 60.0)
+
+
+def watching() -> tuple[Callable[[EngineConfig], Watched], list[Watched]]:
+    """An executor factory for ``Engine(executor=...)``, and the list that will hold what it made."""
     made: list[Watched] = []
 
     def executor(config: EngineConfig) -> Watched:
         made.append(Watched(config))
         return made[0]
+    return executor, made
 
+
+async def read(watched: Watched, name: str, stream: Stream) -> None:
+    """Read ``stream`` to its end, telling ``watched`` once its first tokens have come."""
+    async for chunk in stream:
+        if chunk.tokens:
+            watched.first(name)
+
+
+@pytest.mark.usefixtures("patient")
+async def test_a_lone_stream_s_first_token_reaches_its_loop_before_the_next_decode() -> None:
+    executor, made = watching()
     async with Engine(executor=executor, n_ctx=512, n_seq_max=4) as engine:
         watched = made[0]
-        async for chunk in engine.conversation("a prompt of some length").stream(max_tokens=6, **GREEDY):
-            if chunk.tokens:
-                watched.first("lone")
+        await read(watched, "lone", engine.conversation("a prompt of some length").stream(max_tokens=6, **GREEDY))
     prompt_step, next_step = watched.entries[0], watched.entries[1]
     assert prompt_step == (len(b"a prompt of some length"), {})
     assert next_step == (1, {"lone": True})
 
 
-@pytest.mark.anyio
-async def test_a_running_stream_does_not_wait_for_a_newcomer_s_first_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_core, "HAND_OVER_SECONDS", 60.0)
-    made: list[Watched] = []
-
-    def executor(config: EngineConfig) -> Watched:
-        made.append(Watched(config))
-        return made[0]
-
+@pytest.mark.usefixtures("patient")
+async def test_a_running_stream_does_not_wait_for_a_newcomer_s_first_token() -> None:
+    executor, made = watching()
     async with Engine(executor=executor, n_ctx=8192, n_seq_max=4) as engine:
         watched = made[0]
         running = engine.conversation("first").stream(max_tokens=8000, **GREEDY)  # on until cancelled
@@ -77,16 +85,13 @@ async def test_a_running_stream_does_not_wait_for_a_newcomer_s_first_token(monke
             if chunk.tokens:
                 break  # it runs on, unread: every later step has a stream waiting for it
         steps = len(watched.entries)
-        async for chunk in engine.conversation("a newcomer's prompt").stream(max_tokens=4, **GREEDY):
-            if chunk.tokens:
-                watched.first("newcomer")
+        await read(watched, "newcomer", engine.conversation("a newcomer's prompt").stream(max_tokens=4, **GREEDY))
         running.cancel()
     later = watched.entries[steps:]
     joined = next(i for i, (rows, _) in enumerate(later) if rows > 1)  # the newcomer's prompt
     assert later[joined + 1][1] == {}  # the step after it did not wait for the newcomer's loop
 
 
-@pytest.mark.anyio
 async def test_a_loop_that_does_not_come_holds_the_engine_no_longer_than_the_bound() -> None:
     async with Engine(executor=FakeExecutor, n_ctx=512, n_seq_max=4) as engine:
         before = engine.statistics().tokens_generated
