@@ -162,7 +162,7 @@ async def arrivals(send: Callable[[int, list[int]], Awaitable[int]], n_vocab: in
     counter = itertools.count(first)
     start = time.perf_counter()
     end = start + window
-    per_window = [0.0]
+    counted = [0.0]  # the tokens that fell inside the window (see spread)
 
     async def client_loop() -> None:
         while time.perf_counter() < end:
@@ -170,12 +170,12 @@ async def arrivals(send: Callable[[int, list[int]], Awaitable[int]], n_vocab: in
             prompt = prompts(1, PROMPT, n_vocab, seed=50_000 + k)[0]
             sent = time.perf_counter()
             tokens = await send(k, prompt)
-            spread(per_window, sent - start, time.perf_counter() - start, window, tokens)
+            spread(counted, sent - start, time.perf_counter() - start, window, tokens)
 
     async with anyio.create_task_group() as tg:
         for _ in range(CLIENTS):
             tg.start_soon(client_loop)
-    return per_window[0] / window
+    return counted[0] / window
 
 
 async def http_arrivals(url: str, n_vocab: int, window: float, banned: list[int], first: int = 0) -> float:

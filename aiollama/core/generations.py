@@ -171,8 +171,10 @@ class Generations:
     def only_first_tokens(self) -> bool:
         """Whether the updates since the last call gave every generation left (there is one at
         least) its first token: then no stream is waiting for the next step."""
+        if not self._fresh:  # every step asks: most have nothing to forget
+            return False
         fresh, self._fresh = self._fresh, set()
-        return bool(fresh) and bool(self._gens) and all(conv in fresh for conv in self._gens)
+        return bool(self._gens) and all(conv in fresh for conv in self._gens)
 
     def ending(self, result: StepResult) -> frozenset[int]:
         """The conversations that ``result`` ends whatever their text says: an end of generation

@@ -70,13 +70,16 @@ class VocabTokenizer:
     def piece(self, token: int) -> bytes:
         """A token's bytes, special tokens as their text: asked of llama.cpp once per token (the
         server reads them for every token and every alternative of log-probabilities)."""
-        known = self._pieces.get(token) if type(token) is int else None
+        if type(token) is not int:  # not cached: llama.cpp's binding refuses what is not a token
+            return self._piece(token)
+        known = self._pieces.get(token)
         if known is None:
-            with self._pinned() as vocab:
-                known = vocab.token_to_piece(token, special=True)
-            if type(token) is int:  # a valid token: a bad one raised above
-                self._pieces[token] = known
+            known = self._pieces[token] = self._piece(token)  # a bad id raises: nothing is kept
         return known
+
+    def _piece(self, token: int) -> bytes:
+        with self._pinned() as vocab:
+            return vocab.token_to_piece(token, special=True)
 
     def special_tokens(self) -> Sequence[SpecialToken]:
         if self._specials is None:
