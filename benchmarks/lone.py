@@ -4,13 +4,17 @@
 
 ``aiollama serve`` and llama-server run side by side (one process each, 4 parallel slots, the same
 threads), idle but for one streaming ``/completion`` at a time: a 64-token prompt (random ids, new
-each request), 128 new tokens at temperature 0.7, the end of generation ignored. The two take turns
-request by request. Reported per server: the median inter-token latency (ITL) and its 90th
-percentile over every gap of every request, the median time to the first token, and the tokens/s
-after it; then aiollama's ITL and tokens/s as ratios of llama-server's. SmolLM2 and the fast model.
-Where the host time goes: each server's threads' CPU time over its own requests (from /proc, on
+each request), 128 new tokens at temperature 0.7, the end of generation ignored. A third contender
+is the library without HTTP: an ``Engine`` in this process (the same slots, context and threads),
+its ``conv.stream()`` read by this process's event loop, as a service that embeds aiollama reads it.
+The three take turns request by request. Reported per contender: the median inter-token latency
+(ITL) and its 90th percentile over every gap of every request, the median time to the first token,
+and the tokens/s after it; then the ITL and tokens/s of ``aiollama serve`` and of the engine in
+process as ratios of llama-server's. SmolLM2 and the fast model.
+Where the host time goes: each contender's threads' CPU time over its own requests (from /proc, on
 Linux), per token: the two busiest (the decode's compute threads) and all the others together
-(llama-server's HTTP threads; aiollama's event loop, which parses, formats and writes each event).
+(llama-server's HTTP threads; aiollama's event loop, which parses, formats and writes each event;
+in process, this process's event loop, which reads the stream).
 
 Results go to benchmarks/results/<date>-<machine>-<cpus>cpu-lone.{json,md}.
 """
@@ -19,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +40,43 @@ sys.path.insert(0, str(HERE))
 import fast_model  # noqa: E402
 import tools  # noqa: E402
 from common import StreamTiming, machine, percentile, prompts, save_results, thread_cpu  # noqa: E402
-from server import AiollamaServer, LlamaServer, ServerProcess, stream_completion  # noqa: E402
+from server import SAMPLING, AiollamaServer, LlamaServer, ServerProcess, stream_completion  # noqa: E402
 
 import aiollama  # noqa: E402
 from aiollama.native import Model, available_cpus  # noqa: E402
 
 PROMPT, NEW, N_CTX, SLOTS = 64, 128, 4096, 4
+CONTENDERS = ("aiollama", "llama-server", "in process")  # aiollama serve, llama-server, an Engine here
 
 
-async def one(client: httpx.AsyncClient, server: ServerProcess, prompt: list[int], seed: int,
+Contender = Callable[[list[int], int, StreamTiming], Awaitable[object]]  # (prompt, seed, timing)
+
+
+def over_http(client: httpx.AsyncClient, server: ServerProcess) -> tuple[Contender, int]:
+    """A server's streamed ``/completion``, and its process."""
+    async def run(prompt: list[int], seed: int, timing: StreamTiming) -> None:
+        await stream_completion(client, server.url, prompt, NEW, seed, timing)
+    return run, server.proc.pid if server.proc is not None else 0
+
+
+def in_process(engine: aiollama.Engine) -> tuple[Contender, int]:
+    """A conversation of an engine in this process, streamed as ``/completion`` samples (the
+    sampling defaults are llama-server's)."""
+    async def run(prompt: list[int], seed: int, timing: StreamTiming) -> None:
+        async with engine.conversation() as conv:
+            conv.prompt(prompt)
+            async for chunk in conv.stream(max_tokens=NEW, seed=seed, **SAMPLING):
+                timing.arrivals.extend([time.perf_counter()] * len(chunk.tokens))
+    return run, os.getpid()
+
+
+async def one(contender: tuple[Contender, int], prompt: list[int], seed: int,
               cpu: dict[int, float] | None = None) -> StreamTiming:
     """A streamed request; with ``cpu``, each thread's CPU seconds over it are added there."""
-    pid = server.proc.pid if server.proc is not None else 0
+    run, pid = contender
     before = thread_cpu(pid) if cpu is not None else {}
     timing = StreamTiming(time.perf_counter())
-    await stream_completion(client, server.url, prompt, NEW, seed, timing)
+    await run(prompt, seed, timing)
     if cpu is not None:
         for tid, seconds in thread_cpu(pid).items():
             cpu[tid] = cpu.get(tid, 0.0) + seconds - before.get(tid, 0.0)
@@ -70,41 +98,48 @@ def summary(timings: list[StreamTiming], cpu: dict[int, float]) -> dict[str, flo
 async def compare(model: Path, binary: Path, threads: int, requests: int) -> dict[str, Any]:
     with Model(model, vocab_only=True) as m:
         n_vocab = m.vocab.n_tokens
-    asked = prompts(2 * requests + 2, PROMPT, n_vocab, seed=5)
-    timings: dict[str, list[StreamTiming]] = {"aiollama": [], "llama-server": []}
-    cpu: dict[str, dict[int, float]] = {"aiollama": {}, "llama-server": {}}
+    asked = prompts(len(CONTENDERS) * (requests + 1), PROMPT, n_vocab, seed=5)
+    timings: dict[str, list[StreamTiming]] = {name: [] for name in CONTENDERS}
+    cpu: dict[str, dict[int, float]] = {name: {} for name in CONTENDERS}
     with AiollamaServer(model, n_seq_max=SLOTS, n_ctx=N_CTX, threads=threads) as ours, \
             LlamaServer(binary, model, n_parallel=SLOTS, n_ctx=N_CTX, threads=threads, unified=True) as theirs:
-        async with httpx.AsyncClient() as client:
-            for name, server in (("aiollama", ours), ("llama-server", theirs)):  # warm-up, not counted
-                await one(client, server, asked[-1 if name == "aiollama" else -2], 0)
+        async with httpx.AsyncClient() as client, \
+                aiollama.Engine(str(model), n_seq_max=SLOTS, n_ctx=N_CTX, n_threads=threads) as engine:
+            contenders = dict(zip(CONTENDERS, (over_http(client, ours), over_http(client, theirs), in_process(engine))))
+            for k, contender in enumerate(contenders.values()):  # warm-up, not counted
+                await one(contender, asked[-1 - k], 0)
+            names = list(CONTENDERS)
             for i in range(requests):
-                pair = [("aiollama", ours), ("llama-server", theirs)]
-                for name, server in pair if i % 2 == 0 else pair[::-1]:
-                    timings[name].append(await one(client, server, asked[2 * i + (name == "llama-server")], i,
-                                                   cpu[name]))
+                for j, name in enumerate(names[i % 3:] + names[:i % 3]):  # each goes first in turn
+                    timings[name].append(await one(contenders[name], asked[3 * i + j], i, cpu[name]))
     r: dict[str, Any] = {"model": model.name, **{name: summary(t, cpu[name]) for name, t in timings.items()}}
-    ours_s, theirs_s = r["aiollama"], r["llama-server"]
-    r["itl_ratio"] = ours_s["itl_median_ms"] / theirs_s["itl_median_ms"]
-    r["tps_ratio"] = ours_s["decode_tps"] / theirs_s["decode_tps"]
+    theirs_s = r["llama-server"]
+    for prefix, name in (("", "aiollama"), ("inproc_", "in process")):
+        r[prefix + "itl_ratio"] = r[name]["itl_median_ms"] / theirs_s["itl_median_ms"]
+        r[prefix + "tps_ratio"] = r[name]["decode_tps"] / theirs_s["decode_tps"]
     return r
 
 
 def markdown(r: dict[str, Any]) -> str:
     out = [f"# A lone streamed request ({r['date']}, {r['machine']['cpu']}, {r['machine']['cpus']} CPUs)", "",
            f"One streaming `/completion` at a time, {PROMPT}-token prompts, {NEW} new tokens at temperature 0.7, "
-           f"{r['requests']} requests each, the two servers taking turns; {r['threads']} threads, {SLOTS} slots.", "",
-           "| model | server | ITL median (ms) | ITL p90 (ms) | TTFT median (ms) | tok/s after the first "
+           f"{r['requests']} requests each, taking turns: `aiollama serve`, llama-server, and an `Engine` in the "
+           f"benchmark's process read by its event loop (no HTTP); {r['threads']} threads, {SLOTS} slots.", "",
+           "| model | contender | ITL median (ms) | ITL p90 (ms) | TTFT median (ms) | tok/s after the first "
            "| CPU µs/token, two busiest threads | CPU µs/token, the other threads |",
            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for m in r["models"]:
-        for name in ("aiollama", "llama-server"):
+        for name in CONTENDERS:
+            if name not in m:  # results from before the engine in process was measured
+                continue
             s = m[name]
             out.append(f"| {m['model']} | {name} | {s['itl_median_ms']:.2f} | {s['itl_p90_ms']:.2f} | "
                        f"{s['ttft_median_ms']:.1f} | {s['decode_tps']:.1f} | "
                        f"{s['cpu_us_per_token_busiest_two']:.0f} | {s['cpu_us_per_token_others']:.0f} |")
-    out += ["", "| model | aiollama ITL / llama-server's | aiollama tok/s / llama-server's |", "|---|---:|---:|"]
-    out += [f"| {m['model']} | {m['itl_ratio']:.3f} | {m['tps_ratio']:.3f} |" for m in r["models"]]
+    out += ["", "| model | aiollama serve ITL / llama-server's | tok/s | in process ITL / llama-server's | tok/s |",
+            "|---|---:|---:|---:|---:|"]
+    out += [f"| {m['model']} | {m['itl_ratio']:.3f} | {m['tps_ratio']:.3f} | {m.get('inproc_itl_ratio', float('nan')):.3f} "
+            f"| {m.get('inproc_tps_ratio', float('nan')):.3f} |" for m in r["models"]]
     return "\n".join(out) + "\n"
 
 
