@@ -127,3 +127,28 @@ def test_back_to_back_pairs_run_the_base_just_before_the_variant() -> None:
     ratios, bases, taken = anyio.run(common.back_to_back, 2, run("base", 0.0), run("variant", 0.25))
     assert order == ["base", "variant", "base", "variant"]
     assert ratios == [0.9, 1.2] and bases == [100.0, 50.0] and taken == 0.25
+
+
+@pytest.mark.anyio
+async def test_the_lone_benchmark_streams_an_engine_in_its_own_process(tiny_path: Path) -> None:
+    import lone
+    cpu: dict[int, float] = {}
+    async with aiollama.Engine(tiny_path, n_ctx=512, n_seq_max=lone.SLOTS) as engine:
+        contender = lone.in_process(engine)
+        timing = await lone.one(contender, list(range(100, 100 + lone.PROMPT)), 3, cpu)
+    assert contender[1] == os.getpid()
+    assert len(timing.arrivals) == lone.NEW and timing.start < timing.first  # the end of generation ignored
+    if platform.system() == "Linux":
+        assert sum(cpu.values()) > 0
+
+
+def test_the_lone_benchmarks_table_reads_results_without_the_engine_in_process() -> None:
+    import lone
+    row = {"itl_median_ms": 5.0, "itl_p90_ms": 6.0, "ttft_median_ms": 12.0, "decode_tps": 200.0,
+           "cpu_us_per_token_busiest_two": 9000.0, "cpu_us_per_token_others": 150.0}
+    old = {"model": "m.gguf", "aiollama": row, "llama-server": row, "itl_ratio": 1.0, "tps_ratio": 1.0}
+    new = {**old, "model": "n.gguf", "in process": row, "inproc_itl_ratio": 0.98, "inproc_tps_ratio": 1.02}
+    text = lone.markdown({"date": "2026-12-07", "machine": {"cpu": "x", "cpus": 2}, "requests": 1, "threads": 2,
+                          "models": [old, new]})
+    assert "| m.gguf | in process |" not in text and "| n.gguf | in process |" in text
+    assert "| m.gguf | 1.000 | 1.000 | nan | nan |" in text and "| n.gguf | 1.000 | 1.000 | 0.980 | 1.020 |" in text
