@@ -110,8 +110,8 @@ async def compare(model: Path, binary: Path, threads: int, requests: int) -> dic
                 await one(contender, asked[-1 - k], 0)
             names = list(CONTENDERS)
             for i in range(requests):
-                for j, name in enumerate(names[i % 3:] + names[:i % 3]):  # each goes first in turn
-                    timings[name].append(await one(contenders[name], asked[3 * i + j], i, cpu[name]))
+                for j, name in enumerate(names[i % len(names):] + names[:i % len(names)]):  # each first in turn
+                    timings[name].append(await one(contenders[name], asked[len(names) * i + j], i, cpu[name]))
     r: dict[str, Any] = {"model": model.name, **{name: summary(t, cpu[name]) for name, t in timings.items()}}
     theirs_s = r["llama-server"]
     for prefix, name in (("", "aiollama"), ("inproc_", "in process")):

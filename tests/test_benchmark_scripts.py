@@ -139,7 +139,7 @@ async def test_the_lone_benchmark_streams_an_engine_in_its_own_process(tiny_path
     assert contender[1] == os.getpid()
     assert len(timing.arrivals) == lone.NEW and timing.start < timing.first  # the end of generation ignored
     if platform.system() == "Linux":
-        assert sum(cpu.values()) > 0
+        assert len(cpu) >= 2  # this process's threads were read, the decode thread's among them
 
 
 def test_the_lone_benchmarks_table_reads_results_without_the_engine_in_process() -> None:
