@@ -49,7 +49,7 @@ PROMPT, NEW, N_CTX, SLOTS = 64, 128, 4096, 4
 CONTENDERS = ("aiollama", "llama-server", "in process")  # aiollama serve, llama-server, an Engine here
 
 
-Contender = Callable[[list[int], int, StreamTiming], Awaitable[object]]  # (prompt, seed, timing)
+Contender = Callable[[list[int], int, StreamTiming], Awaitable[None]]  # (prompt, seed, timing)
 
 
 def over_http(client: httpx.AsyncClient, server: ServerProcess) -> tuple[Contender, int]:
@@ -108,10 +108,10 @@ async def compare(model: Path, binary: Path, threads: int, requests: int) -> dic
             contenders = dict(zip(CONTENDERS, (over_http(client, ours), over_http(client, theirs), in_process(engine))))
             for k, contender in enumerate(contenders.values()):  # warm-up, not counted
                 await one(contender, asked[-1 - k], 0)
-            names = list(CONTENDERS)
+            n = len(CONTENDERS)
             for i in range(requests):
-                for j, name in enumerate(names[i % len(names):] + names[:i % len(names)]):  # each first in turn
-                    timings[name].append(await one(contenders[name], asked[len(names) * i + j], i, cpu[name]))
+                for j, name in enumerate(CONTENDERS[i % n:] + CONTENDERS[:i % n]):  # each goes first in turn
+                    timings[name].append(await one(contenders[name], asked[n * i + j], i, cpu[name]))
     r: dict[str, Any] = {"model": model.name, **{name: summary(t, cpu[name]) for name, t in timings.items()}}
     theirs_s = r["llama-server"]
     for prefix, name in (("", "aiollama"), ("inproc_", "in process")):
