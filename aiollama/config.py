@@ -38,8 +38,9 @@ class EngineConfig:
     ``model_path`` None means the default model (fetched on first use). ``n_ctx`` is the KV cache
     shared by every conversation; ``n_seq_max`` how many generations share a batch; ``n_batch`` the
     most tokens one ``llama_decode`` takes; ``step_tokens`` the per-step token budget (decode rows of
-    running streams first, prompt chunks share the rest); ``n_threads`` None takes the CPUs this
-    process may use; ``max_queued`` bounds the generations waiting for a seq id.
+    running streams first, prompt chunks share the rest); ``n_threads`` None takes a thread per
+    physical core this process may use, as llama.cpp's tools do (see :mod:`aiollama.native.threads`);
+    ``max_queued`` bounds the generations waiting for a seq id.
 
     ``cache_seq_ids`` is how many seq ids the context holds beyond ``n_seq_max``, for idle
     conversations and cached prefixes to keep their cells under (the total is at most 256). Each id

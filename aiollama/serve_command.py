@@ -67,7 +67,7 @@ def add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--n-batch", "-b", "--batch-size", type=int, default=EngineConfig.n_batch,
                        help="the most prompt tokens one decode takes")
     serve.add_argument("--threads", "-t", type=int, default=None,
-                       help="CPU threads (default: the CPUs this process may use)")
+                       help="CPU threads (default: one per physical core this process may use, as llama-server)")
     serve.add_argument("--host-cache-mib", "-cram", "--cache-ram", type=int, default=EngineConfig.host_cache_bytes >> 20,
                        help="host memory for parked KV states, MiB (0: off)")
     serve.add_argument("--cache-dir", default=None,

@@ -38,7 +38,7 @@ from server import LlamaServer  # noqa: E402
 
 import aiollama  # noqa: E402
 from aiollama.formats import constraints  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
+from aiollama.native import Model, available_cpus, math_cpus  # noqa: E402
 from aiollama.runner.tokenizer import VocabTokenizer  # noqa: E402
 from aiollama.sampling import SamplingParams  # noqa: E402
 
@@ -162,7 +162,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 async def main(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else aiollama.default_model()
-    threads = args.threads or available_cpus()
+    threads = args.threads or math_cpus()
     bins = tools.build(quiet=True)
     r: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": machine(), "model": model.name,
                          "threads": threads, "llama_cpp": tools.TAG, "rounds": args.rounds, "schema": SCHEMA}
@@ -203,6 +203,6 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="GGUF model (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--threads", type=int, help="threads for both (default: usable CPUs)")
+    parser.add_argument("--threads", type=int, help="threads for both (default: one per physical core)")
     parser.add_argument("--rounds", type=int, default=5)
     sys.exit(anyio.run(main, parser.parse_args()))

@@ -28,7 +28,7 @@ from common import machine, prompts, save_results, throughput  # noqa: E402
 from scenarios import aiollama_streams  # noqa: E402
 
 import aiollama  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
+from aiollama.native import Model, math_cpus  # noqa: E402
 
 LEVELS = (1, 8, 32)
 PROMPT, NEW, LONG = 64, 128, 1000
@@ -78,7 +78,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 async def main(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else aiollama.default_model()
-    threads = args.threads or available_cpus()
+    threads = args.threads or math_cpus()
     with Model(model, vocab_only=True) as m:
         n_vocab = m.vocab.n_tokens
     runs: dict[str, list[dict[str, float]]] = {"default": [], "deterministic": []}

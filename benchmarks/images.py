@@ -29,7 +29,7 @@ from common import machine, prompts, save_results  # noqa: E402
 from tiny_projector import png, write_projector  # noqa: E402
 
 import aiollama  # noqa: E402
-from aiollama.native import available_cpus  # noqa: E402
+from aiollama.native import math_cpus  # noqa: E402
 
 STREAMS, NEW, ARRIVALS, EVERY, SIDE, PATCH = 8, 128, 4, 0.5, 96, 4
 ROWS = (SIDE // PATCH) ** 2
@@ -102,7 +102,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     rows.append(row)
                     print(row, flush=True)
                     await engine.clear_cache()
-    return {"date": datetime.date.today().isoformat(), "machine": machine(), "threads": available_cpus(),
+    return {"date": datetime.date.today().isoformat(), "machine": machine(), "threads": math_cpus(),
             "picture_rows": ROWS, "encode_ms": encode_ms, "rows": rows}
 
 

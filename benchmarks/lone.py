@@ -43,7 +43,7 @@ from common import StreamTiming, machine, percentile, prompts, save_results, thr
 from server import SAMPLING, AiollamaServer, LlamaServer, ServerProcess, stream_completion  # noqa: E402
 
 import aiollama  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
+from aiollama.native import Model, math_cpus  # noqa: E402
 
 PROMPT, NEW, N_CTX, SLOTS = 64, 128, 4096, 4
 CONTENDERS = ("aiollama", "llama-server", "in process")  # aiollama serve, llama-server, an Engine here
@@ -144,7 +144,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 async def main(args: argparse.Namespace) -> int:
-    threads = args.threads or available_cpus()
+    threads = args.threads or math_cpus()
     binary = tools.build()["llama-server"]
     r: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": machine(), "threads": threads,
                          "requests": args.requests, "models": []}
@@ -157,7 +157,7 @@ async def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, help="llama.cpp threads (default: usable CPUs)")
+    parser.add_argument("--threads", type=int, help="llama.cpp threads (default: one per physical core)")
     parser.add_argument("--requests", type=int, default=12, help="requests per server and model")
     parser.add_argument("--tag", default="", help="a suffix for the results' file names")
     sys.exit(anyio.run(main, parser.parse_args()))

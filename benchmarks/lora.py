@@ -25,7 +25,7 @@ from common import machine, prompts, save_results
 from gguf import GGUFReader, GGUFWriter
 
 import aiollama
-from aiollama.native import available_cpus
+from aiollama.native import math_cpus
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -69,7 +69,7 @@ async def run(engine: aiollama.Engine, loads: list[dict[str, float] | None], new
 
 async def main(args: argparse.Namespace) -> int:
     model = aiollama.pull()
-    threads = args.threads or available_cpus()
+    threads = args.threads or math_cpus()
     with tempfile.TemporaryDirectory() as tmp:
         adapter = Path(tmp) / "adapter.gguf"
         write_adapter(adapter, model)

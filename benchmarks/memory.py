@@ -35,7 +35,7 @@ from common import machine, save_results  # noqa: E402
 from server import AiollamaServer, LlamaServer  # noqa: E402
 
 import aiollama  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
+from aiollama.native import Model, math_cpus  # noqa: E402
 
 SYSTEM = ("You are a patient storyteller who answers in short paragraphs. You keep track of every "
           "character and place the user mentions, and you never contradict what was said before. ")
@@ -165,7 +165,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 async def main(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else aiollama.default_model()
-    threads = args.threads or available_cpus()
+    threads = args.threads or math_cpus()
     bins = tools.build(quiet=True)
     system = SYSTEM * 28
     r: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": machine(), "model": model.name,
@@ -193,6 +193,6 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="GGUF model (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--threads", type=int, help="threads for both servers (default: usable CPUs)")
+    parser.add_argument("--threads", type=int, help="threads for both servers (default: one per physical core)")
     parser.add_argument("--users", type=int, default=32)
     sys.exit(anyio.run(main, parser.parse_args()))

@@ -52,7 +52,7 @@ import aiollama  # noqa: E402
 from aiollama.config import EngineConfig  # noqa: E402
 from aiollama.core.engine_core import EngineCore  # noqa: E402
 from aiollama.core.generations import Generations  # noqa: E402
-from aiollama.native import Batch, Context, Model, available_cpus  # noqa: E402
+from aiollama.native import Batch, Context, Model, math_cpus  # noqa: E402
 from aiollama.native.sampler_chain import sample_rows  # noqa: E402
 from aiollama.runner.token_choice import build_chain  # noqa: E402
 from aiollama.sampling import SamplingParams  # noqa: E402
@@ -367,7 +367,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 async def main(args: argparse.Namespace) -> int:
-    threads = args.threads or available_cpus()
+    threads = args.threads or math_cpus()
     r: dict[str, Any] = {"date": datetime.date.today().isoformat(), "machine": machine(), "threads": threads,
                          "rounds": args.rounds}
     r["engine_alone"] = await engine_alone(args.rounds)
@@ -386,7 +386,7 @@ async def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, help="llama.cpp threads (default: usable CPUs)")
+    parser.add_argument("--threads", type=int, help="llama.cpp threads (default: one per physical core)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tag", default="", help="a suffix for the results' file names")
     parser.add_argument("--no-models", action="store_true",

@@ -29,7 +29,7 @@ import tools  # noqa: E402
 from common import machine  # noqa: E402
 
 import aiollama  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
+from aiollama.native import Model, math_cpus  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -119,7 +119,7 @@ async def fast_scenario(bins: dict[str, Path], threads: int, levels: list[int], 
 
 async def main(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else aiollama.default_model()
-    threads = args.threads or available_cpus()
+    threads = args.threads or math_cpus()
     levels = [1, 8] if args.quick else [1, 2, 4, 8, 16, 32]
     bins = tools.build(quiet=True)
     with Model(model, vocab_only=True) as m:
@@ -182,7 +182,7 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="GGUF model (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--threads", type=int, help="threads for every contender (default: usable CPUs)")
+    parser.add_argument("--threads", type=int, help="threads for every contender (default: one per physical core)")
     parser.add_argument("--step-tokens", type=int, default=256, help="aiollama's per-step token budget")
     parser.add_argument("--quick", action="store_true", help="1 and 8 streams only")
     parser.add_argument("--repeats", type=int, default=2,

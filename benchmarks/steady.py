@@ -52,7 +52,7 @@ from scenarios import aiollama_streams, engine  # noqa: E402
 from server import AiollamaServer, LlamaServer, run_clients  # noqa: E402
 
 import aiollama  # noqa: E402
-from aiollama.native import Model, available_cpus  # noqa: E402
+from aiollama.native import Model, math_cpus  # noqa: E402
 
 PROMPT = 64
 ARRIVAL_TOKENS = 64
@@ -303,7 +303,7 @@ async def arrivals_in_turn(r: dict[str, Any], model: Path, threads: int, n_vocab
 
 
 async def main(args: argparse.Namespace) -> int:
-    threads = args.threads or available_cpus()
+    threads = args.threads or math_cpus()
     smollm2 = aiollama.pull()
     models = {"smollm2": smollm2, "fast": fast_model.path()}
     with Model(smollm2) as m:
@@ -329,7 +329,7 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         sys.exit(anyio.run(serve_worker, json.loads(sys.argv[2])))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, help="llama.cpp threads (default: usable CPUs)")
+    parser.add_argument("--threads", type=int, help="llama.cpp threads (default: one per physical core)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--levels", default="8,32")
     parser.add_argument("--models", default="smollm2,fast")

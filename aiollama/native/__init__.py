@@ -13,7 +13,7 @@ from aiollama.native.lora import LoraAdapter
 from aiollama.native.model import Model, Vocab
 from aiollama.native.projector import Projector
 from aiollama.native.sampler_chain import SamplerChain, sample_rows
-from aiollama.native.threads import available_cpus
+from aiollama.native.threads import available_cpus, math_cpus
 
 __all__ = ["Batch", "Context", "DecodeStatus", "LoraAdapter", "Model", "Projector", "SamplerChain", "Vocab",
-           "available_cpus", "open_handles", "sample_rows"]
+           "available_cpus", "math_cpus", "open_handles", "sample_rows"]

@@ -9,7 +9,7 @@ from aiollama._validate import integer
 from aiollama.errors import InvalidRequestError
 from aiollama.native.batch import MAX_SEQ
 from aiollama.native.binding import lib
-from aiollama.native.threads import available_cpus
+from aiollama.native.threads import math_cpus
 
 # Recurrent-state snapshots per sequence (each as large as the state): drafts are never longer.
 MAX_ROLLBACK = 32
@@ -41,7 +41,7 @@ def context_params(*, n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int | Non
     integer("rollback", rollback, low=0, high=MAX_ROLLBACK)
     if n_ubatch is not None:
         integer("n_ubatch", n_ubatch, low=1)
-    threads = available_cpus() if n_threads is None else integer("n_threads", n_threads, low=1)
+    threads = math_cpus() if n_threads is None else integer("n_threads", n_threads, low=1)
     threads_batch = threads if n_threads_batch is None else integer("n_threads_batch", n_threads_batch, low=1)
     for name, kind in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
         if kind not in CACHE_TYPES:

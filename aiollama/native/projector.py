@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from aiollama._validate import integer
 from aiollama.errors import ImageError, ModelLoadError, UnsupportedModel
 from aiollama.native.binding import clear_recent_errors, ffi, lib, recent_errors
 from aiollama.native.handle import Handle
 from aiollama.native.model import Model, with_model
+from aiollama.native.threads import math_cpus
 
 MARKER = b"<__media__>"
 
@@ -35,15 +37,17 @@ class Encoded:
 
 class Projector(Handle):
     """libmtmd's context for ``path``, an image projector made for ``model``, which it keeps alive
-    until closed. ``encode`` may be called from any thread (one at a time runs).
+    until closed. ``encode`` may be called from any thread (one at a time runs). ``n_threads`` None
+    takes a thread per physical core this process may use.
 
-    Raises ModelLoadError for a file libmtmd cannot load for this model, UnsupportedModel for one
-    that needs what the engine does not do (audio only, or M-RoPE positions).
+    Raises InvalidRequestError for ``n_threads`` below 1, ModelLoadError for a file libmtmd cannot
+    load for this model, UnsupportedModel for one that needs what the engine does not do (audio
+    only, or M-RoPE positions).
     """
 
     _kind = "projector"
 
-    def __init__(self, model: Model, path: str | os.PathLike[str], *, n_threads: int = 0,
+    def __init__(self, model: Model, path: str | os.PathLike[str], *, n_threads: int | None = None,
                  use_gpu: bool = False) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()  # one encode at a time, and none while it is freed
@@ -53,8 +57,8 @@ class Projector(Handle):
         params.use_gpu = use_gpu
         params.print_timings = False
         params.warmup = False
-        if n_threads > 0:
-            params.n_threads = n_threads
+        # libmtmd's own default is 4 threads whatever the machine
+        params.n_threads = math_cpus() if n_threads is None else integer("n_threads", n_threads, low=1)
         self._marker = ffi.new("char[]", MARKER)
         params.media_marker = self._marker
         ptr = with_model(model, lambda model_ptr: lib.mtmd_init_from_file(os.fsencode(self.path), model_ptr, params),

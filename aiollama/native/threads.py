@@ -1,29 +1,37 @@
-"""How many CPUs this process may really use.
+"""How many CPUs this process may really use, and how many threads llama.cpp's compute gets.
 
 llama.cpp defaults to 4 threads whatever the machine, and ignores cgroup quotas. ggml's workers
 spin on barriers, so oversubscribing a small machine slows decoding by orders of magnitude.
+
+The compute takes one thread per physical core, as llama.cpp's own tools do (``llama-server``'s
+``--threads`` defaults to the count of distinct sets of thread siblings): two hardware threads of
+one core share its arithmetic units, so the second adds little to a matrix product, and left free
+it runs the event loop, the HTTP server and the sampling without stalling the decode's threads at
+their barriers.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Collection
 from pathlib import Path
 
+SYS = Path("/sys")
 
-def _cgroup_quota() -> float | None:
+
+def _cgroup_quota(root: Path = SYS) -> float | None:
     """CPUs allowed by a cgroup CPU quota, or None when there is none."""
-    v2 = Path("/sys/fs/cgroup/cpu.max")
     try:
-        quota, period = v2.read_text().split()[:2]
+        quota, period = (root / "fs/cgroup/cpu.max").read_text().split()[:2]
         if quota != "max":
             return int(quota) / int(period)
         return None
     except (OSError, ValueError):
         pass
     try:
-        quota_us = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
-        period_us = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        quota_us = int((root / "fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period_us = int((root / "fs/cgroup/cpu/cpu.cfs_period_us").read_text())
         if quota_us > 0 and period_us > 0:
             return quota_us / period_us
     except (OSError, ValueError):
@@ -31,13 +39,34 @@ def _cgroup_quota() -> float | None:
     return None
 
 
-def available_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask, capped by any cgroup quota."""
+def _allowed() -> Collection[int]:
+    """The CPUs this process may run on (its affinity mask)."""
     try:
-        count = len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except AttributeError:  # pragma: no cover - not on Linux
-        count = os.cpu_count() or 1
-    quota = _cgroup_quota()
+        return range(os.cpu_count() or 1)
+
+
+def _capped(count: int, root: Path) -> int:
+    quota = _cgroup_quota(root)
     if quota is not None:
         count = min(count, max(1, math.floor(quota)))
     return max(1, count)
+
+
+def available_cpus(root: Path = SYS, allowed: Collection[int] | None = None) -> int:
+    """The CPUs this process may run on: its affinity mask, capped by any cgroup quota."""
+    return _capped(len(_allowed() if allowed is None else allowed), root)
+
+
+def math_cpus(root: Path = SYS, allowed: Collection[int] | None = None) -> int:
+    """The default thread count of llama.cpp's compute: one per physical core among the CPUs this
+    process may run on (a CPU whose topology the kernel does not show counts as a core of its own),
+    capped by any cgroup quota."""
+    cores = set()
+    for cpu in _allowed() if allowed is None else allowed:
+        try:
+            cores.add((root / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(f"cpu{cpu}")
+    return _capped(len(cores), root)

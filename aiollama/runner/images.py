@@ -35,7 +35,7 @@ def images_for(config: EngineConfig, model: Model, embeds_only: bool) -> Project
         raise UnsupportedModel("a draft model cannot read images: give no mmproj with draft_model")
     if config.mtp:
         raise UnsupportedModel("MTP drafts do not follow image rows: give no mmproj with mtp")
-    return Projector(model, config.mmproj, n_threads=config.n_threads or 0, use_gpu=model.n_gpu_layers != 0)
+    return Projector(model, config.mmproj, n_threads=config.n_threads, use_gpu=model.n_gpu_layers != 0)
 
 
 class ImageRows:

@@ -36,6 +36,7 @@ from aiollama.native import (
     SamplerChain,
     Vocab,
     available_cpus,
+    math_cpus,
     sample_rows,
 )
 from aiollama.native.binding import set_log_level
@@ -197,8 +198,9 @@ def test_decode_status() -> None:
     assert DecodeStatus(-3).is_fatal and not DecodeStatus(1).is_fatal
 
 
-def test_threads_default_to_available_cpus(ctx: Context) -> None:
-    assert ctx.n_threads == (available_cpus(), available_cpus())
+def test_threads_default_to_physical_cores(ctx: Context) -> None:
+    assert ctx.n_threads == (math_cpus(), math_cpus())
+    assert 1 <= math_cpus() <= available_cpus()
     ctx.set_threads(1, 2)
     assert ctx.n_threads == (1, 2)
 

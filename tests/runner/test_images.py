@@ -102,6 +102,13 @@ def test_a_projector_that_cannot_load_is_a_model_load_error(tiny: Model, tiny_pa
         Projector(tiny, tiny_path)  # a text model is no projector
 
 
+def test_a_projector_takes_a_thread_count_of_at_least_one(tiny: Model, mmproj: Path) -> None:
+    with pytest.raises(aiollama.InvalidRequestError, match="n_threads"):
+        Projector(tiny, mmproj, n_threads=0)
+    with Projector(tiny, mmproj, n_threads=1) as proj:
+        assert proj.encode(PICTURE).parts
+
+
 @pytest.mark.parametrize("step_tokens", [256, 5])
 async def test_an_image_prompt_gives_llama_cpps_own_tokens(tiny_path: Path, mmproj: Path, want: list[int],
                                                            step_tokens: int) -> None:
