@@ -7,7 +7,9 @@ The compute takes one thread per physical core, as llama.cpp's own tools do (``l
 ``--threads`` defaults to the count of distinct sets of thread siblings): two hardware threads of
 one core share its arithmetic units, so the second adds little to a matrix product, and left free
 it runs the event loop, the HTTP server and the sampling without stalling the decode's threads at
-their barriers.
+their barriers. On a CPU with performance and efficiency cores (Intel's hybrids), the efficiency
+cores are left out too, as llama.cpp leaves them out: the threads of one decode advance in
+lockstep, at the pace of the slowest.
 """
 
 from __future__ import annotations
@@ -59,12 +61,33 @@ def available_cpus(root: Path = SYS, allowed: Collection[int] | None = None) -> 
     return _capped(len(_allowed() if allowed is None else allowed), root)
 
 
+def _cpu_list(text: str) -> set[int]:
+    """The CPUs of a kernel CPU list (``0-3,8,10-11``)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _efficiency_cpus(root: Path) -> set[int]:
+    """The efficiency cores of a hybrid CPU (none where the kernel shows no hybrid)."""
+    try:
+        (root / "devices/cpu_core/cpus").read_text()
+        return _cpu_list((root / "devices/cpu_atom/cpus").read_text())
+    except (OSError, ValueError):
+        return set()
+
+
 def math_cpus(root: Path = SYS, allowed: Collection[int] | None = None) -> int:
     """The default thread count of llama.cpp's compute: one per physical core among the CPUs this
-    process may run on (a CPU whose topology the kernel does not show counts as a core of its own),
-    capped by any cgroup quota."""
+    process may run on, efficiency cores left out unless there is nothing else (a CPU whose
+    topology the kernel does not show counts as a core of its own), capped by any cgroup quota."""
+    cpus = set(_allowed() if allowed is None else allowed)
+    cpus = cpus - _efficiency_cpus(root) or cpus
     cores = set()
-    for cpu in _allowed() if allowed is None else allowed:
+    for cpu in cpus:
         try:
             cores.add((root / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
         except OSError:

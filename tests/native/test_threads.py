@@ -69,5 +69,28 @@ def test_cgroup_v1_quota(tmp_path: Path) -> None:
     assert math_cpus(root, allowed=range(4)) == 4
 
 
+def test_efficiency_cores_are_left_out(tmp_path: Path) -> None:
+    # 6 performance cores of two threads (0-11), 8 efficiency cores of one (12-19)
+    siblings = {cpu: f"{cpu - cpu % 2},{cpu - cpu % 2 + 1}" for cpu in range(12)} | {cpu: str(cpu) for cpu in range(12, 20)}
+    root = _machine(tmp_path, siblings)
+    (root / "devices/cpu_core").mkdir(parents=True)
+    (root / "devices/cpu_core/cpus").write_text("0-11\n")
+    (root / "devices/cpu_atom").mkdir(parents=True)
+    (root / "devices/cpu_atom/cpus").write_text("12-19\n")
+    assert math_cpus(root, allowed=range(20)) == 6
+    assert available_cpus(root, allowed=range(20)) == 20
+    assert math_cpus(root, allowed={0, 1, 12, 13}) == 1
+    assert math_cpus(root, allowed={12, 13, 14}) == 3  # only efficiency cores: they are what there is
+
+
+def test_an_unreadable_hybrid_list_leaves_every_core(tmp_path: Path) -> None:
+    root = _machine(tmp_path, {0: "0", 1: "1", 2: "2"})
+    (root / "devices/cpu_core").mkdir(parents=True)
+    (root / "devices/cpu_core/cpus").write_text("0-1\n")
+    (root / "devices/cpu_atom").mkdir(parents=True)
+    (root / "devices/cpu_atom/cpus").write_text("two\n")
+    assert math_cpus(root, allowed=range(3)) == 3
+
+
 def test_this_machine(tmp_path: Path) -> None:
     assert 1 <= math_cpus() <= available_cpus()
