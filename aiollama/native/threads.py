@@ -6,10 +6,10 @@ spin on barriers, so oversubscribing a small machine slows decoding by orders of
 The compute takes one thread per physical core, as llama.cpp's own tools do (``llama-server``'s
 ``--threads`` defaults to the count of distinct sets of thread siblings): two hardware threads of
 one core share its arithmetic units, so the second adds little to a matrix product, and left free
-it runs the event loop, the HTTP server and the constraint masks without stalling the decode's threads at
-their barriers. On a CPU with performance and efficiency cores (Intel's hybrids), the efficiency
-cores are left out too, as llama.cpp leaves them out: the threads of one decode advance in
-lockstep, at the pace of the slowest.
+it runs the event loop, the HTTP server and the constraint masks without stalling the decode's
+threads at their barriers. On a CPU with performance and efficiency cores (Intel's hybrids), the
+efficiency cores are left out too, as llama.cpp leaves them out: the threads of one decode advance
+in lockstep, at the pace of the slowest.
 """
 
 from __future__ import annotations
