@@ -73,8 +73,9 @@ def _cpu_list(text: str) -> set[int]:
 
 def _efficiency_cpus(root: Path) -> set[int]:
     """The efficiency cores of a hybrid CPU (none where the kernel shows no hybrid)."""
+    if not (root / "devices/cpu_core/cpus").exists():
+        return set()
     try:
-        (root / "devices/cpu_core/cpus").read_text()
         return _cpu_list((root / "devices/cpu_atom/cpus").read_text())
     except (OSError, ValueError):
         return set()

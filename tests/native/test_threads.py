@@ -91,6 +91,3 @@ def test_an_unreadable_hybrid_list_leaves_every_core(tmp_path: Path) -> None:
     (root / "devices/cpu_atom/cpus").write_text("two\n")
     assert math_cpus(root, allowed=range(3)) == 3
 
-
-def test_this_machine(tmp_path: Path) -> None:
-    assert 1 <= math_cpus() <= available_cpus()
